@@ -1,0 +1,44 @@
+"""What every dataset config builds: train/val datasets, their loaders, and what the model must know."""
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class DataModule:
+    """Subclasses set `train`, `val` and `model_kwargs` (e.g. vocab_size, num_classes) in __init__.
+
+    `batch_size` is per process and per micro-step: the global batch of one optimizer step is
+    batch_size * num_processes * gradient_accumulation_steps.
+    """
+
+    train: Dataset
+    val: Dataset
+    model_kwargs: dict[str, Any]
+
+    def __init__(self, batch_size: int, num_workers: int = 0):
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=train,
+            # Full micro-batches only, so every optimizer step averages the same number of samples.
+            drop_last=train,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        if len(self.train) < self.batch_size:
+            raise ValueError(
+                f"data.batch_size={self.batch_size} is larger than the training set ({len(self.train)} samples)"
+            )
+        return self._loader(self.train, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val, train=False)

@@ -1,0 +1,59 @@
+"""CIFAR-10 from its binary distribution: records of 1 label byte + 3072 pixel bytes (R, G, B planes, 32x32)."""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from src.data.base import DataModule
+
+RECORD_BYTES = 1 + 3 * 32 * 32
+# Per-channel statistics of the real CIFAR-10 training set.
+MEAN = torch.tensor([0.4914, 0.4822, 0.4465]).view(3, 1, 1)
+STD = torch.tensor([0.2470, 0.2435, 0.2616]).view(3, 1, 1)
+
+
+def read_records(files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+    chunks = []
+    for file in files:
+        raw = np.fromfile(file, dtype=np.uint8)
+        if raw.size % RECORD_BYTES:
+            raise ValueError(f"{file}: size {raw.size} is not a multiple of the {RECORD_BYTES}-byte CIFAR record")
+        chunks.append(raw.reshape(-1, RECORD_BYTES))
+    records = np.concatenate(chunks)
+    return records[:, 1:].reshape(-1, 3, 32, 32), records[:, 0].astype(np.int64)
+
+
+class CifarImages(Dataset):
+    def __init__(self, images: np.ndarray, labels: np.ndarray, augment: bool):
+        self.images, self.labels, self.augment = torch.from_numpy(images), torch.from_numpy(labels), augment
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = (self.images[i].float() / 255 - MEAN) / STD
+        if self.augment:  # the standard CIFAR recipe: random 4-pixel-padded crop and horizontal flip
+            if torch.rand(()) < 0.5:
+                image = image.flip(-1)
+            dx, dy = torch.randint(0, 9, (2,)).tolist()
+            image = torch.nn.functional.pad(image, (4, 4, 4, 4))[:, dy : dy + 32, dx : dx + 32]
+        return image, self.labels[i]
+
+
+class Cifar10Data(DataModule):
+    """Trains on every `data_batch_*.bin` under `root`, validates on `test_batch.bin`."""
+
+    def __init__(self, root: str, augment: bool = True, num_classes: int = 10, **loader):
+        super().__init__(**loader)
+        root_dir = Path(root).expanduser()
+        train_files = sorted(root_dir.glob("data_batch_*.bin"))
+        if not train_files or not (root_dir / "test_batch.bin").is_file():
+            raise FileNotFoundError(
+                f"data.root={root!r} must hold CIFAR-10's binary files (data_batch_*.bin and test_batch.bin); "
+                "scripts/make_synthetic_cifar10.py writes a small set in that format"
+            )
+        self.train = CifarImages(*read_records(train_files), augment=augment)
+        self.val = CifarImages(*read_records([root_dir / "test_batch.bin"]), augment=False)
+        self.model_kwargs = {"num_classes": num_classes}

@@ -1,0 +1,82 @@
+"""Language-model data: a UTF-8 text file (character or byte level) or a pre-tokenized uint16 .bin file."""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from src.data.base import DataModule
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of `block_size` tokens; the target is the window shifted by one token."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int):
+        self.tokens = tokens
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.block_size)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = i * self.block_size
+        chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
+        return chunk[:-1], chunk[1:]
+
+
+def split(tokens: np.ndarray, val_fraction: float, block_size: int) -> tuple[TokenWindows, TokenWindows]:
+    """The first (1 - val_fraction) of the stream trains, the rest validates (as nanoGPT does)."""
+    n_train = int(len(tokens) * (1 - val_fraction))
+    train, val = TokenWindows(tokens[:n_train], block_size), TokenWindows(tokens[n_train:], block_size)
+    if len(train) == 0 or len(val) == 0:
+        raise ValueError(
+            f"{len(tokens)} tokens with val_fraction={val_fraction} leave no full window of "
+            f"block_size={block_size} for training or validation"
+        )
+    return train, val
+
+
+def _existing_file(path: str, key: str) -> Path:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"{key}={path!r}: no such file (relative paths are relative to {Path.cwd()})")
+    return file
+
+
+class TextData(DataModule):
+    """Character level: the vocabulary is the sorted set of characters in the file. Byte level: 256 ids."""
+
+    def __init__(self, path: str, block_size: int, level: str = "char", val_fraction: float = 0.1, **loader):
+        super().__init__(**loader)
+        raw = _existing_file(path, "data.path").read_bytes()
+        if level == "byte":
+            tokens, self.vocab = np.frombuffer(raw, dtype=np.uint8), None
+            vocab_size = 256
+        else:
+            text = raw.decode("utf-8")
+            self.vocab = sorted(set(text))
+            index = {ch: i for i, ch in enumerate(self.vocab)}
+            tokens = np.fromiter((index[ch] for ch in text), dtype=np.uint16, count=len(text))
+            vocab_size = len(self.vocab)
+        self.train, self.val = split(tokens, val_fraction, block_size)
+        self.model_kwargs = {"vocab_size": vocab_size}
+
+    def decode(self, ids: list[int]) -> str:
+        if self.vocab is None:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return "".join(self.vocab[i] for i in ids)
+
+
+class TokenData(DataModule):
+    """nanoGPT's format: a flat uint16 array of token ids, memory-mapped so it may exceed RAM."""
+
+    def __init__(self, path: str, block_size: int, vocab_size: int, val_fraction: float = 0.1, **loader):
+        super().__init__(**loader)
+        tokens = np.memmap(_existing_file(path, "data.path"), dtype=np.uint16, mode="r")
+        # A cheap sanity check: ids >= vocab_size would index past the embedding (a CUDA assert on GPU).
+        head_max = int(tokens[: 1 << 20].max()) if len(tokens) else 0
+        if head_max >= vocab_size:
+            raise ValueError(f"data.vocab_size={vocab_size} but {path} holds token id {head_max}")
+        self.train, self.val = split(tokens, val_fraction, block_size)
+        self.model_kwargs = {"vocab_size": vocab_size}

@@ -1,0 +1,138 @@
+"""Turning a launch (python, accelerate launch, torchrun, srun) into an Accelerator, loudly.
+
+Training on fewer processes than the user asked for must never be silent: N independent copies of a
+run writing the same directory is the failure this module exists to prevent.
+"""
+
+import logging
+import os
+import re
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate.utils import GradientAccumulationPlugin
+from accelerate.utils import broadcast_object_list
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+def cpu_ddp_hint(n: int) -> str:
+    return (
+        f"accelerate launch --multi_gpu --num_processes {n} train.py ...  (or: accelerate launch --config_file "
+        f"config/accelerate/cpu_ddp.yaml train.py ..., or: torchrun --nproc_per_node {n} train.py ...)"
+    )
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def processes_requested_by_parent() -> int:
+    """N from a parent `accelerate launch --num_processes N` (it exports nothing that says N was asked)."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:  # not Linux, or no /proc
+        return 1
+    if not any(a.endswith("accelerate") for a in argv[:2]) or "launch" not in argv:
+        return 1
+    for i, arg in enumerate(argv):
+        match = re.fullmatch(r"--num[_-]processes(?:=(\d+))?", arg)
+        if match:
+            value = match.group(1) or (argv[i + 1] if i + 1 < len(argv) else "1")
+            return int(value) if value.isdigit() else 1
+    return 1
+
+
+def build_accelerator(trainer: DictConfig, run_dir: Path) -> Accelerator:
+    mixed_precision = trainer.mixed_precision.value
+    # Without CUDA, torchrun/--multi_gpu workers only form a process group (gloo, MULTI_CPU) with cpu=True;
+    # a single process keeps accelerate's own choice (e.g. Apple MPS).
+    cpu = not torch.cuda.is_available() and launched_world_size() > 1
+    if mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise LaunchError(
+            "trainer.mixed_precision=fp16 needs a CUDA GPU (on CPU accelerate silently runs fp32); use bf16 or no"
+        )
+    accelerator = Accelerator(
+        cpu=cpu,
+        mixed_precision=mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=trainer.gradient_accumulation_steps,
+            # Accumulation windows run across epoch ends, so every optimizer step averages exactly
+            # gradient_accumulation_steps full micro-batches (no under-weighted tail window).
+            sync_with_dataloader=False,
+        ),
+        # A seedable sampler makes the shuffle order a function of (seed, epoch): what mid-epoch resume needs.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # train.py steps the LR schedule once per optimizer step itself; accelerate's default would step it
+        # num_processes times per update.
+        step_scheduler_with_optimizer=False,
+        log_with="tensorboard",
+        project_dir=str(run_dir),
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=trainer.dist_timeout_s))],
+    )
+    check_process_count(accelerator)
+    check_same_run_dir(accelerator, run_dir)
+    return accelerator
+
+
+def check_process_count(accelerator: Accelerator) -> None:
+    world_size = launched_world_size()
+    if world_size > 1 and accelerator.num_processes == 1:
+        raise LaunchError(
+            f"The launcher started {world_size} processes (WORLD_SIZE={world_size}) but the Accelerator formed "
+            f"no process group ({accelerator.distributed_type}), so each would train alone and overwrite the "
+            f"others' files. Launch with: {cpu_ddp_hint(world_size)}"
+        )
+    requested = processes_requested_by_parent()
+    if world_size == 1 and requested > 1:
+        banner = "!" * 100
+        log.warning(
+            f"\n{banner}\n`accelerate launch --num_processes {requested}` started ONE process: without CUDA "
+            f"accelerate's launcher needs --multi_gpu or a MULTI_GPU config to start workers.\n"
+            f"Training continues on 1 process. For {requested} processes use:\n  {cpu_ddp_hint(requested)}\n{banner}"
+        )
+
+
+def check_same_run_dir(accelerator: Accelerator, run_dir: Path) -> None:
+    """Every rank must write (and resume) the same directory; a per-node hydra.run.dir would split a run."""
+    if accelerator.num_processes == 1:
+        return
+    main_dir = broadcast_object_list([str(run_dir)])[0]
+    if main_dir != str(run_dir):
+        raise LaunchError(
+            f"rank {accelerator.process_index} resolved run dir {run_dir} but rank 0 resolved {main_dir}: "
+            "pass the same hydra.run.dir=PATH to every process"
+        )
+
+
+def describe_launch(accelerator: Accelerator, cfg: DictConfig, run_dir: Path) -> str:
+    per_process = cfg.data.batch_size
+    accumulation = cfg.trainer.gradient_accumulation_steps
+    rows = {
+        "run dir": run_dir,
+        "processes": f"{accelerator.num_processes} ({accelerator.num_processes // max(1, _nodes())} per node, "
+        f"{_nodes()} node(s))",
+        "distributed type": accelerator.distributed_type,
+        "device": accelerator.device,
+        "mixed precision": accelerator.mixed_precision,
+        "gradient accumulation steps": accumulation,
+        "batch size per process": per_process,
+        "global batch size": f"{per_process * accelerator.num_processes * accumulation} "
+        f"(= {per_process} per process x {accelerator.num_processes} processes x {accumulation} micro-steps)",
+        "optimizer steps": cfg.trainer.max_steps,
+        "command": " ".join(sys.argv),
+    }
+    width = max(map(len, rows))
+    return "\n".join(["=" * 80] + [f"{k:<{width}} : {v}" for k, v in rows.items()] + ["=" * 80])
+
+
+def _nodes() -> int:
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return launched_world_size() // local if local else 1

@@ -1,0 +1,28 @@
+"""What a run leaves for people to read: train.log, config.yaml, TensorBoard scalars. Main process only."""
+
+import logging
+from pathlib import Path
+
+from accelerate import Accelerator
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("train")
+
+
+def start_run_log(accelerator: Accelerator, cfg: DictConfig, run_dir: Path, banner: str, first_step: int = 0) -> None:
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(run_dir / "train.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(handler)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        log.info("\n%s", banner)
+    else:
+        # Other ranks keep warnings and errors; their INFO lines would repeat rank 0's.
+        logging.getLogger().setLevel(logging.WARNING)
+    # purge_step: after a resume TensorBoard drops the events a killed run wrote past the checkpoint,
+    # so its curves have no duplicated steps.
+    accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": {"purge_step": first_step + 1 if first_step else None}})
+    if accelerator.is_main_process:
+        tracker = accelerator.get_tracker("tensorboard", unwrap=True)
+        tracker.add_text("config", "```\n" + OmegaConf.to_yaml(cfg, resolve=True) + "\n```", global_step=first_step)

@@ -1,0 +1,97 @@
+"""Train a model: build -> prepare -> loop -> save.
+
+    accelerate launch train.py                          # defaults: char-level GPT on tiny Shakespeare
+    accelerate launch train.py experiment=cifar10_resnet data.root=/data/cifar-10-batches-bin
+    accelerate launch --multi_gpu --num_processes 2 train.py trainer.max_steps=100   # CPU DDP
+
+Every key is documented in src/config.py; the defaults live in config/.
+"""
+
+import logging
+import math
+from pathlib import Path
+
+import hydra
+from accelerate.utils import set_seed
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from tqdm import tqdm
+
+import src.config  # noqa: F401  (registers the config schema and the run-dir resolver with Hydra)
+from src.evaluation import evaluate
+from src.export import export_model, model_config
+from src.launch import build_accelerator, describe_launch
+from src.objective import training_loss
+from src.optim import param_groups
+from src.run_log import start_run_log
+from src.train_state import TrainState, micro_batches
+
+log = logging.getLogger("train")
+
+
+@hydra.main(config_path="config", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    trainer = cfg.trainer
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    accelerator = build_accelerator(trainer, run_dir)
+    set_seed(trainer.seed)
+
+    # Build.
+    data = instantiate(cfg.data)
+    model = instantiate(cfg.model, **data.model_kwargs)
+    optimizer = instantiate(cfg.optimizer)(param_groups(model))
+    scheduler = instantiate(cfg.scheduler)(optimizer)
+    train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
+
+    # Prepare: device placement, DDP wrapping, autocast, data sharding.
+    model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
+        model, optimizer, train_loader, val_loader, scheduler
+    )
+    state = TrainState()
+    start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, run_dir), state.step)
+
+    # Loop: one iteration per micro-batch; everything below `sync_gradients` happens once per optimizer step.
+    max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
+    progress = tqdm(total=trainer.max_steps, initial=state.step, disable=not accelerator.is_main_process)
+    window_loss = 0.0
+    model.train()
+    for batch in micro_batches(accelerator, train_loader, state):
+        with accelerator.accumulate(model):
+            loss = training_loss(model, batch)
+            accelerator.backward(loss)  # divides by gradient_accumulation_steps itself
+            window_loss += loss.detach()
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+            optimizer.step()  # a no-op until the accumulation window is complete
+            optimizer.zero_grad(set_to_none=True)
+        if not accelerator.sync_gradients:
+            continue
+
+        scheduler.step()
+        state.step += 1
+        progress.update()
+        if state.step % trainer.log_every == 0:
+            step_loss = accelerator.reduce(window_loss / trainer.gradient_accumulation_steps, "mean").item()
+            scalars = {"train/loss": step_loss, "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": grad_norm.item()}
+            accelerator.log(scalars, step=state.step)
+            progress.set_postfix(loss=f"{step_loss:.4f}")
+        window_loss = 0.0
+
+        done = state.step >= trainer.max_steps
+        if done or (trainer.eval_every and state.step % trainer.eval_every == 0):
+            metrics = evaluate(model, val_loader, accelerator)
+            accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=state.step)
+            log.info("step %d: %s", state.step, ", ".join(f"eval/{k}={v:.4f}" for k, v in metrics.items()))
+        if done:
+            break
+    progress.close()
+
+    # Save.
+    export_model(accelerator, model, model_config(cfg.model, data.model_kwargs), run_dir / "model")
+    log.info("exported the model to %s", run_dir / "model")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
