@@ -1,8 +1,9 @@
-"""Train a model: build -> prepare -> loop -> save.
+"""Train a model: build -> prepare -> (resume) -> loop -> save.
 
     accelerate launch train.py                          # defaults: char-level GPT on tiny Shakespeare
     accelerate launch train.py experiment=cifar10_resnet data.root=/data/cifar-10-batches-bin
     accelerate launch --multi_gpu --num_processes 2 train.py trainer.max_steps=100   # CPU DDP
+    accelerate launch train.py hydra.run.dir=outputs/my_run resume=auto             # continue a run
 
 Every key is documented in src/config.py; the defaults live in config/.
 """
@@ -19,21 +20,26 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 import src.config  # noqa: F401  (registers the config schema and the run-dir resolver with Hydra)
+from src.checkpoint import Checkpointer, config_for_resume, load_checkpoint, resume_source
 from src.evaluation import evaluate
 from src.export import export_model, model_config
-from src.launch import build_accelerator, describe_launch
+from src.launch import build_accelerator, check_replicas_in_sync, describe_launch
 from src.objective import training_loss
 from src.optim import param_groups
 from src.run_log import start_run_log
-from src.train_state import TrainState, micro_batches
+from src.train_state import TrainState, is_improvement, micro_batches
 
 log = logging.getLogger("train")
 
 
 @hydra.main(config_path="config", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    trainer = cfg.trainer
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    checkpoint = resume_source(cfg.resume, run_dir)  # refuses to write into another run's directory
+    if checkpoint:
+        cfg = config_for_resume(cfg, checkpoint, HydraConfig.get().overrides.task)
+    trainer = cfg.trainer
+    # Its collectives hold every rank here until all have checked the run dir above, before rank 0 writes.
     accelerator = build_accelerator(trainer, run_dir)
     set_seed(trainer.seed)
 
@@ -49,14 +55,18 @@ def main(cfg: DictConfig) -> None:
         model, optimizer, train_loader, val_loader, scheduler
     )
     state = TrainState()
+    if checkpoint:
+        load_checkpoint(accelerator, checkpoint, state)
+    checkpointer = Checkpointer(accelerator, run_dir, cfg)
     start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, run_dir), state.step)
+    export_config = model_config(cfg.model, data.model_kwargs)
 
     # Loop: one iteration per micro-batch; everything below `sync_gradients` happens once per optimizer step.
     max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
     progress = tqdm(total=trainer.max_steps, initial=state.step, disable=not accelerator.is_main_process)
     window_loss = 0.0
     model.train()
-    for batch in micro_batches(accelerator, train_loader, state):
+    for batch in micro_batches(accelerator, train_loader, state, trainer.max_steps):
         with accelerator.accumulate(model):
             loss = training_loss(model, batch)
             accelerator.backward(loss)  # divides by gradient_accumulation_steps itself
@@ -80,16 +90,20 @@ def main(cfg: DictConfig) -> None:
 
         done = state.step >= trainer.max_steps
         if done or (trainer.eval_every and state.step % trainer.eval_every == 0):
-            metrics = evaluate(model, val_loader, accelerator)
-            accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=state.step)
-            log.info("step %d: %s", state.step, ", ".join(f"eval/{k}={v:.4f}" for k, v in metrics.items()))
-        if done:
-            break
+            metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator).items()}
+            accelerator.log(metrics, step=state.step)
+            log.info("step %d: %s", state.step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+            if is_improvement(metrics, state, trainer.monitor, trainer.monitor_mode.value):
+                checkpointer.save(state)  # the best checkpoint, kept apart from rotation
+                export_model(accelerator, model, export_config, run_dir / "model_best")
+        if done or (trainer.checkpoint_every and state.step % trainer.checkpoint_every == 0):
+            checkpointer.save(state)
     progress.close()
 
     # Save.
-    export_model(accelerator, model, model_config(cfg.model, data.model_kwargs), run_dir / "model")
-    log.info("exported the model to %s", run_dir / "model")
+    check_replicas_in_sync(accelerator, model)
+    export_model(accelerator, model, export_config, run_dir / "model")
+    log.info("exported the final model to %s", run_dir / "model")
     accelerator.end_training()
 
 

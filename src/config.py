@@ -9,6 +9,7 @@ directory, so a bad value never leaves an empty run dir behind.
 import dataclasses
 import functools
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -56,6 +57,7 @@ class TrainerConfig:
     monitor_mode: MonitorMode = setting(MonitorMode.min, "whether the monitored metric is better low or high")
     dist_timeout_s: int = setting(1800, "collective timeout: a lost peer ends the run with an error", ge=1)
     compile: bool = setting(False, "torch.compile the model")
+    cpu_threads: Optional[int] = setting(None, "intra-op threads per process on CPU (null: its share of the cores)", ge=1)
 
 
 # --- model options -------------------------------------------------------------------------------------
@@ -186,8 +188,8 @@ def register_configs() -> None:
 # --- range validation -----------------------------------------------------------------------------------
 
 
-class ConfigError(CompactHydraException):
-    """Hydra prints a CompactHydraException as its message alone (no traceback) and exits with status 1."""
+class UsageError(CompactHydraException):
+    """A mistake of the user's, not a bug: Hydra prints it as its message alone (no traceback), exit status 1."""
 
 
 _BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
@@ -213,21 +215,34 @@ def range_errors(node: DictConfig, prefix: str = "") -> list[str]:
     return errors
 
 
-def validate(cfg: DictConfig) -> None:
-    task_cfg = {k: cfg[k] for k in cfg if k != "hydra"}
-    errors = [e for key, node in task_cfg.items() if isinstance(node, DictConfig) for e in range_errors(node, f"{key}.")]
-    if errors:
-        raise ConfigError("Invalid configuration:\n  " + "\n  ".join(errors))
+def config_errors(cfg: DictConfig) -> list[str]:
+    groups = [(key, cfg[key]) for key in cfg if key != "hydra" and isinstance(cfg[key], DictConfig)]
+    errors = [error for key, node in groups for error in range_errors(node, f"{key}.")]
+    if OmegaConf.select(cfg, "trainer.mixed_precision") == MixedPrecision.fp16:
+        import torch
+
+        if not torch.cuda.is_available():
+            errors.append("trainer.mixed_precision=fp16 needs a CUDA GPU (on CPU accelerate would silently run "
+                          "fp32): use bf16 or no")
+    return errors
 
 
 class ValidateConfig(Callback):
     """Rejects out-of-range values before Hydra creates the run directory (on_run_start precedes it)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        validate(config)
+        self._exit_on_errors(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        validate(config)
+        self._exit_on_errors(config)
+
+    @staticmethod
+    def _exit_on_errors(config: DictConfig) -> None:
+        errors = config_errors(config)
+        if errors:
+            print("Invalid configuration:\n  " + "\n  ".join(errors), file=sys.stderr)
+            # Hydra turns a callback's exceptions into warnings and carries on; SystemExit is not an Exception.
+            raise SystemExit(1)
 
 
 # --- a run directory every rank agrees on ---------------------------------------------------------------
@@ -246,7 +261,7 @@ def shared_timestamp() -> str:
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return stamp
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        raise ConfigError(
+        raise UsageError(
             "This multi-process launch has no shared store to agree on a timestamped run directory: "
             "pass hydra.run.dir=PATH (the same on every process)."
         )

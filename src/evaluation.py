@@ -8,7 +8,7 @@ from src.objective import per_sample_loss_and_accuracy
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator) -> dict[str, float]:
-    """Mean loss and accuracy over the whole validation set.
+    """Mean loss and accuracy over the whole validation set, and how many samples that was.
 
     Per-sample values go through `gather_for_metrics`, which drops the samples accelerate duplicated to
     even out the last batch across ranks (a per-batch mean would silently keep one rank's value there).
@@ -22,4 +22,4 @@ def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator) -> dict[s
         totals += torch.stack([loss.double().sum(), accuracy.double().sum(), torch.tensor(len(loss), device=totals.device)])
     model.train(was_training)
     loss_sum, correct_sum, count = totals.tolist()
-    return {"loss": loss_sum / count, "accuracy": correct_sum / count}
+    return {"loss": loss_sum / count, "accuracy": correct_sum / count, "samples": count}

@@ -4,6 +4,7 @@
 <dir>/config.yaml        the model config with `_target_`, including what the data decided (vocab_size, ...)
 """
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,22 @@ def model_config(model_cfg: DictConfig, model_kwargs: dict[str, Any]) -> DictCon
 
 
 def export_model(accelerator, model: torch.nn.Module, config: DictConfig, directory: Path) -> None:
-    """Main process only writes; every process must call it (unwrapping may gather sharded weights)."""
-    accelerator.save_model(model, directory, safe_serialization=True)
+    """Main process only writes; every process must call it (unwrapping may gather sharded weights).
+
+    Written beside the target and swapped in, so a kill mid-export leaves the previous export intact.
+    """
+    tmp, old = directory.with_name(f".tmp-{directory.name}"), directory.with_name(f".old-{directory.name}")
     if accelerator.is_main_process:
-        OmegaConf.save(config, Path(directory) / "config.yaml")
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.save_model(model, tmp, safe_serialization=True)
+    if accelerator.is_main_process:
+        OmegaConf.save(config, tmp / "config.yaml")
+        shutil.rmtree(old, ignore_errors=True)
+        if directory.exists():
+            directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
 
 
 def load_exported_model(directory: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:

@@ -17,6 +17,8 @@ from accelerate.utils import GradientAccumulationPlugin
 from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig
 
+from src.config import UsageError
+
 log = logging.getLogger(__name__)
 
 def cpu_ddp_hint(n: int) -> str:
@@ -26,7 +28,7 @@ def cpu_ddp_hint(n: int) -> str:
     )
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UsageError):
     pass
 
 
@@ -50,18 +52,16 @@ def processes_requested_by_parent() -> int:
     return 1
 
 
+def needs_cpu_flag() -> bool:
+    """Without CUDA, torchrun/--multi_gpu workers only form a process group (gloo, MULTI_CPU) with cpu=True;
+    a single process keeps accelerate's own device choice (e.g. Apple MPS)."""
+    return not torch.cuda.is_available() and launched_world_size() > 1
+
+
 def build_accelerator(trainer: DictConfig, run_dir: Path) -> Accelerator:
-    mixed_precision = trainer.mixed_precision.value
-    # Without CUDA, torchrun/--multi_gpu workers only form a process group (gloo, MULTI_CPU) with cpu=True;
-    # a single process keeps accelerate's own choice (e.g. Apple MPS).
-    cpu = not torch.cuda.is_available() and launched_world_size() > 1
-    if mixed_precision == "fp16" and not torch.cuda.is_available():
-        raise LaunchError(
-            "trainer.mixed_precision=fp16 needs a CUDA GPU (on CPU accelerate silently runs fp32); use bf16 or no"
-        )
     accelerator = Accelerator(
-        cpu=cpu,
-        mixed_precision=mixed_precision,
+        cpu=needs_cpu_flag(),
+        mixed_precision=trainer.mixed_precision.value,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=trainer.gradient_accumulation_steps,
             # Accumulation windows run across epoch ends, so every optimizer step averages exactly
@@ -79,7 +79,16 @@ def build_accelerator(trainer: DictConfig, run_dir: Path) -> Accelerator:
     )
     check_process_count(accelerator)
     check_same_run_dir(accelerator, run_dir)
+    use_cpu_threads(accelerator, trainer.cpu_threads)
     return accelerator
+
+
+def use_cpu_threads(accelerator: Accelerator, threads: int | None) -> None:
+    """accelerate's launcher exports OMP_NUM_THREADS=1, which leaves all but one core idle on CPU."""
+    if accelerator.device.type != "cpu":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(threads or max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def check_process_count(accelerator: Accelerator) -> None:
@@ -120,7 +129,8 @@ def describe_launch(accelerator: Accelerator, cfg: DictConfig, run_dir: Path) ->
         "processes": f"{accelerator.num_processes} ({accelerator.num_processes // max(1, _nodes())} per node, "
         f"{_nodes()} node(s))",
         "distributed type": accelerator.distributed_type,
-        "device": accelerator.device,
+        "device": f"{accelerator.device} ({torch.get_num_threads()} CPU threads per process)"
+        if accelerator.device.type == "cpu" else accelerator.device,
         "mixed precision": accelerator.mixed_precision,
         "gradient accumulation steps": accumulation,
         "batch size per process": per_process,
@@ -136,3 +146,20 @@ def describe_launch(accelerator: Accelerator, cfg: DictConfig, run_dir: Path) ->
 def _nodes() -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
     return launched_world_size() // local if local else 1
+
+
+def check_replicas_in_sync(accelerator: Accelerator, model) -> None:
+    """DDP replicas must end identical; a silent divergence (e.g. a rank-dependent code path) fails here.
+
+    Each rank reduces every parameter to a float64 sum, cheap at any scale; ranks compare the vectors.
+    """
+    if accelerator.num_processes == 1:
+        return
+    import torch
+    from accelerate.utils import gather_object
+
+    fingerprint = torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu().tolist()
+    fingerprints = gather_object([fingerprint])
+    log.info("parameter fingerprint per rank (sum of all parameters): %s", [sum(f) for f in fingerprints])
+    if any(f != fingerprints[0] for f in fingerprints):
+        raise RuntimeError("model replicas differ between ranks at the end of training")

@@ -10,6 +10,8 @@ log = logging.getLogger("train")
 
 
 def start_run_log(accelerator: Accelerator, cfg: DictConfig, run_dir: Path, banner: str, first_step: int = 0) -> None:
+    # accelerate logs every file of every save at INFO; src/checkpoint.py logs one line per save instead.
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(run_dir / "train.log")

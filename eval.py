@@ -1,0 +1,52 @@
+"""Evaluate an exported model or a checkpoint on the validation split of the data it was trained on.
+
+    python eval.py path=outputs/RUN/model                  # or outputs/RUN/model_best
+    accelerate launch --multi_gpu --num_processes 2 eval.py path=outputs/RUN/checkpoints/step_000500
+
+Prints the metrics and writes them as JSON (main process only). Exact on any number of processes.
+"""
+
+import json
+import logging
+from pathlib import Path
+
+import hydra
+from accelerate import Accelerator
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+import src.config  # noqa: F401  (registers the config schema the run's data config refers to)
+from src.checkpoint import load_checkpointed_model, run_config_for
+from src.evaluation import evaluate
+from src.export import load_exported_model
+from src.launch import check_process_count, needs_cpu_flag, use_cpu_threads
+
+log = logging.getLogger("eval")
+
+
+@hydra.main(config_path="config", config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    source = Path(cfg.path)
+    run_cfg = run_config_for(source)
+    accelerator = Accelerator(cpu=needs_cpu_flag(), mixed_precision=cfg.mixed_precision)
+    check_process_count(accelerator)
+    use_cpu_threads(accelerator, None)
+
+    data = instantiate(OmegaConf.merge(run_cfg.data, cfg.data))
+    if (source / "model.safetensors").is_file() and (source / "config.yaml").is_file():
+        model = load_exported_model(source)
+    else:
+        model = load_checkpointed_model(source, run_cfg, data.model_kwargs)
+    model = accelerator.prepare_model(model, evaluation_mode=True)
+    val_loader = accelerator.prepare_data_loader(data.val_dataloader())
+
+    metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator).items()}
+    if accelerator.is_main_process:
+        output = Path(cfg.output) if cfg.output else source / "eval_metrics.json"
+        report = {"path": str(source), "num_processes": accelerator.num_processes, **metrics}
+        output.write_text(json.dumps(report, indent=2) + "\n")
+        log.info("%s\nwritten to %s", json.dumps(report, indent=2), output)
+
+
+if __name__ == "__main__":
+    main()

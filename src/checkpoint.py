@@ -1,0 +1,241 @@
+"""Checkpoints that never lose a run.
+
+Layout of a run directory:
+    checkpoints/step_00000500/    complete checkpoints only (written elsewhere, then renamed into place)
+        model.safetensors, optimizer.bin, scheduler.bin, [scaler.pt], random_states_<rank>.pkl
+                                  (accelerate.save_state; every rank writes its own RNG state)
+        train_state.json          step, epoch, position in the epoch, best metric (ours: JSON, no pickle)
+        run_config.yaml           the resolved config the run was started with
+    checkpoints/.tmp-step_.../    a save in progress; never resumed from, removed by the next save
+
+Why not accelerate's own rotation: `ProjectConfiguration(total_limit=K)` deletes old folders before the
+new one is written and nothing is atomic, so a kill during a save can leave no loadable checkpoint.
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import zipfile
+from pathlib import Path
+from enum import Enum
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from safetensors import safe_open
+from safetensors.torch import load_model
+
+from src.config import UsageError
+from src.train_state import TrainState
+
+log = logging.getLogger(__name__)
+
+STEP_DIR = re.compile(r"step_(\d+)")
+STATE_FILE = "train_state.json"
+CONFIG_FILE = "run_config.yaml"
+RUN_CONFIG = "config.yaml"  # what train.py writes at the top of the run dir
+# Keys a resumed run may change: they do not alter what is being trained, only how long and how it reports.
+SAFE_ON_RESUME = {
+    "resume", "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.checkpoint_every",
+    "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads", "data.num_workers",
+}
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (a step_N name exists only once its contents do)."""
+    root = run_dir / "checkpoints"
+    found = [p for p in root.glob("step_*") if p.is_dir() and STEP_DIR.fullmatch(p.name)] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+
+
+# --- choosing what to resume from ---------------------------------------------------------------------
+
+
+def resume_source(resume: Optional[str], run_dir: Path) -> Optional[Path]:
+    """The checkpoint this run continues from, or None for a fresh start; refuses to clobber another run.
+
+    resume=null: a fresh run, refused if the run dir already holds a run (its config.yaml or checkpoints).
+    resume=auto: the newest complete checkpoint in the run dir, or a fresh start when there is none.
+    resume=PATH: that checkpoint (checkpoints/step_N) or the newest complete one of that run dir.
+    """
+    if resume is None:
+        if (run_dir / RUN_CONFIG).exists() or complete_checkpoints(run_dir):
+            raise UsageError(
+                f"{run_dir} already holds a run. To continue it: add resume=auto. To start a new run: "
+                "pick another directory with hydra.run.dir=PATH (or omit it for a fresh timestamped one)."
+            )
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(resume).expanduser()
+    if STEP_DIR.fullmatch(path.name) and path.is_dir():
+        return path
+    found = complete_checkpoints(path)
+    if not found:
+        raise UsageError(f"resume={resume}: not a checkpoint directory (checkpoints/step_N) nor a run dir with one")
+    return found[-1]
+
+
+def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
+    """The checkpoint's config, plus the command line's safe overrides; any other change is refused.
+
+    Only keys the command line names are compared, so re-running the same command (e.g. a requeued
+    SLURM job) resumes, while edits to YAML defaults made since do not leak into a running experiment.
+    """
+    saved = OmegaConf.load(checkpoint / CONFIG_FILE)
+    refused, changed = [], []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        new, old = _comparable(OmegaConf.select(cfg, key)), _comparable(OmegaConf.select(saved, key))
+        if new == old:
+            continue
+        if key in SAFE_ON_RESUME:
+            OmegaConf.update(saved, key, new, force_add=True)
+            changed.append(f"{key}: {old} -> {new}")
+        else:
+            refused.append(f"{key}={new} (the checkpoint has {old})")
+    if refused:
+        raise UsageError(
+            f"Cannot resume from {checkpoint} with a different model or setup:\n  " + "\n  ".join(refused)
+            + f"\nOnly these may change on resume: {', '.join(sorted(SAFE_ON_RESUME))}. "
+            "Start a new run (another hydra.run.dir) to change anything else."
+        )
+    for line in changed:
+        log.warning("resume: override accepted: %s", line)
+    # The saved config is plain (resolved) YAML: put the schema back so enums and types are as in a fresh run.
+    from src.config import TrainConfig
+
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
+
+
+def _comparable(value):
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True, enum_to_str=True)
+    return value.name if isinstance(value, Enum) else value
+
+
+# --- saving -------------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Atomic, rotated `accelerator.save_state` checkpoints plus the best one, kept apart from rotation."""
+
+    def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig):
+        self.accelerator = accelerator
+        self.root = run_dir / "checkpoints"
+        self.cfg = cfg
+        self.keep_last = cfg.trainer.keep_last_checkpoints
+
+    def save(self, state: TrainState) -> Path:
+        """Every rank must call this (save_state has each rank write its RNG state)."""
+        accelerator, final = self.accelerator, self.root / step_dir_name(state.step)
+        if final.exists():  # e.g. the best checkpoint and the periodic one fall on the same step
+            return final
+        started = time.perf_counter()
+        tmp = self.root / f".tmp-{final.name}"
+        if accelerator.is_main_process:
+            for stale in self.root.glob(".tmp-*"):  # left by a run killed while saving
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp))
+        if accelerator.is_main_process:
+            (tmp / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=2))
+            OmegaConf.save(self.cfg, tmp / CONFIG_FILE, resolve=True)
+        accelerator.wait_for_everyone()  # every rank's files are in tmp before it becomes a checkpoint
+        if accelerator.is_main_process:
+            _fsync_tree(tmp)
+            tmp.rename(final)  # the commit point: atomic on POSIX filesystems
+            size_mb = sum(f.stat().st_size for f in final.iterdir()) / 2**20
+            log.info("saved checkpoint %s (%.1f MB) in %.2f s", final, size_mb, time.perf_counter() - started)
+            self._rotate(state)
+        accelerator.wait_for_everyone()
+        return final
+
+    def _rotate(self, state: TrainState) -> None:
+        """Delete the oldest complete checkpoints beyond keep_last; the best one is kept apart."""
+        keep = {step_dir_name(state.best_step)} if state.best_step is not None else set()
+        rotating = [p for p in complete_checkpoints(self.root.parent) if p.name not in keep]
+        for old in rotating[: max(0, len(rotating) - self.keep_last)]:
+            shutil.rmtree(old)
+            log.info("removed old checkpoint %s", old)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for file in directory.iterdir():
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+
+
+# --- loading ------------------------------------------------------------------------------------------
+
+
+def check_readable(checkpoint: Path) -> None:
+    """A clear error naming the file for a truncated or corrupt checkpoint, before anything is loaded."""
+    required = ["model.safetensors", "optimizer.bin", "scheduler.bin", STATE_FILE, CONFIG_FILE]
+    for name in required:
+        if not (checkpoint / name).is_file():
+            raise UsageError(f"checkpoint {checkpoint} is incomplete: {checkpoint / name} is missing")
+    for file in sorted(checkpoint.iterdir()):
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(file, framework="pt") as f:  # validates the header against the file size
+                    for key in f.keys():
+                        f.get_slice(key)
+            elif file.suffix in (".bin", ".pt", ".pkl"):
+                with zipfile.ZipFile(file) as archive:  # torch.save's format; truncation breaks its index
+                    if archive.testzip() is not None:
+                        raise ValueError("CRC mismatch")
+            elif file.suffix == ".json":
+                json.loads(file.read_text())
+        except Exception as error:
+            raise UsageError(f"checkpoint file {file} is corrupt or truncated ({error}); "
+                             f"resume from an older checkpoint with resume=PATH") from error
+
+
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainState) -> None:
+    """Restore model, optimizer, scheduler, scaler, RNG states and counters (after accelerator.prepare)."""
+    check_readable(checkpoint)
+    rng_file = checkpoint / f"random_states_{accelerator.process_index}.pkl"
+    if not rng_file.is_file():
+        raise UsageError(f"{rng_file} is missing: this checkpoint was written by fewer processes; "
+                         "the data order and dropout of rank %d cannot be restored" % accelerator.process_index)
+    accelerator.load_state(str(checkpoint))  # loads with torch.load(weights_only=True)
+    # accelerate only logs "Could not load random states" at INFO when RNG restore fails: verify it.
+    from accelerate.utils import load as safe_load
+
+    saved_rng = safe_load(rng_file)["torch_manual_seed"]
+    if not torch.equal(torch.get_rng_state(), saved_rng):
+        raise RuntimeError(f"the RNG state in {rng_file} was not restored; resuming would not be exact")
+    state.load_state_dict(json.loads((checkpoint / STATE_FILE).read_text()))
+    log.info("resumed from %s at step %d (epoch %d, %d batches in)", checkpoint, state.step, state.epoch,
+             state.batches_into_epoch)
+
+
+def run_config_for(path: Path) -> DictConfig:
+    """The training config that produced an exported model or checkpoint (for eval.py)."""
+    for candidate in (path / CONFIG_FILE, path.parent / RUN_CONFIG, path.parent.parent / RUN_CONFIG):
+        if candidate.is_file():
+            cfg = OmegaConf.load(candidate)
+            if "data" in cfg:
+                return cfg
+    raise UsageError(f"path={path}: no training config found (looked for {CONFIG_FILE} in it and "
+                     f"{RUN_CONFIG} in its run dir)")
+
+
+def load_checkpointed_model(checkpoint: Path, run_cfg: DictConfig, model_kwargs: dict) -> torch.nn.Module:
+    from hydra.utils import instantiate
+
+    check_readable(checkpoint)
+    model = instantiate(run_cfg.model, **model_kwargs)
+    load_model(model, checkpoint / "model.safetensors", strict=True)
+    return model.eval()

@@ -1,0 +1,76 @@
+"""Shared helpers: real launches of train.py / eval.py as subprocesses, and readers for what they write."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+# A GPT small enough that a CPU test run takes seconds; dropout off so runs are comparable.
+TINY_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.dropout=0.0"]
+QUIET = ["trainer.log_every=1", "trainer.eval_every=0"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_command(script: str, nproc: int, launcher: str = "accelerate") -> list[str]:
+    if nproc == 1:
+        return [sys.executable, script]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(free_port()), script]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(free_port()), script]
+
+
+def run(args: list[str], script: str = "train.py", nproc: int = 1, launcher: str = "accelerate",
+        check: bool = True, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run a real launch from the repo root and return it (stdout and stderr merged)."""
+    proc = subprocess.run(
+        launch_command(script, nproc, launcher) + args, cwd=ROOT, text=True, timeout=timeout,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
+    return proc
+
+
+def scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    """step -> value for one scalar tag, from the run's real TensorBoard event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = {}
+    for event_file in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values.update({e.step: e.value for e in acc.Scalars(tag)})
+    return values
+
+
+def exported_weights(run_dir: Path) -> dict:
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="session")
+def cifar_root(tmp_path_factory) -> Path:
+    """A small CIFAR-10-format dataset (odd-sized test split) written by the repo's own script."""
+    root = tmp_path_factory.mktemp("cifar")
+    subprocess.run([sys.executable, "scripts/make_synthetic_cifar10.py", str(root), "--train-per-batch", "200",
+                    "--test", "301"], cwd=ROOT, check=True, capture_output=True)
+    return root

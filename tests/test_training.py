@@ -1,0 +1,92 @@
+"""Single-process runs of each example task: they learn, log real TensorBoard scalars and export a usable model."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from src.checkpoint import complete_checkpoints, load_checkpointed_model, run_config_for
+from src.export import load_exported_model
+from tests.conftest import QUIET, ROOT, TINY_GPT, run, scalars
+
+
+def learned(losses: dict[int, float], margin: float) -> bool:
+    steps = sorted(losses)
+    first, last = [losses[s] for s in steps[:5]], [losses[s] for s in steps[-5:]]
+    return sum(last) / 5 < sum(first) / 5 - margin
+
+
+def assert_exported_model_matches_final_checkpoint(run_dir, example_input):
+    """The exported safetensors rebuild a fresh model (no accelerate) that computes what training ended with."""
+    exported = load_exported_model(run_dir / "model")
+    final = complete_checkpoints(run_dir)[-1]
+    run_cfg = run_config_for(final)
+    checkpointed = load_checkpointed_model(final, run_cfg, {k: v for k, v in exported_kwargs(run_dir).items()})
+    with torch.no_grad():
+        assert torch.equal(exported(example_input), checkpointed(example_input))
+
+
+def exported_kwargs(run_dir):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(run_dir / "model" / "config.yaml")
+    return {k: cfg[k] for k in ("vocab_size", "num_classes") if k in cfg}
+
+
+def test_gpt_on_text_learns_logs_scalars_and_exports_a_reloadable_model(tmp_path):
+    run_dir = tmp_path / "run"
+    run([*TINY_GPT, *QUIET, "trainer.max_steps=60", "trainer.eval_every=30", "data.batch_size=16",
+         "optimizer.lr=3e-3", "scheduler.warmup_steps=5", f"hydra.run.dir={run_dir}"])
+    losses = scalars(run_dir, "train/loss")
+    assert sorted(losses) == list(range(1, 61))  # one train/loss per optimizer step
+    assert learned(losses, margin=0.5)
+    for tag in ("train/lr", "train/grad_norm", "eval/loss", "eval/accuracy"):
+        assert scalars(run_dir, tag), tag
+    assert sorted(scalars(run_dir, "eval/loss")) == [30, 60]
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "train.log").is_file()
+    tokens = torch.randint(0, exported_kwargs(run_dir)["vocab_size"], (2, 32))
+    assert_exported_model_matches_final_checkpoint(run_dir, tokens)
+
+
+def test_gpt_on_pretokenized_uint16_bin_file_learns(tmp_path):
+    bin_file = tmp_path / "shakespeare.bin"
+    subprocess.run([sys.executable, "scripts/prepare_tokens.py", "data/tinyshakespeare.txt", str(bin_file)],
+                   cwd=ROOT, check=True, capture_output=True)
+    run_dir = tmp_path / "run"
+    run([*TINY_GPT, *QUIET, "data=tokens", f"data.path={bin_file}", "data.vocab_size=256",
+         "trainer.max_steps=50", "data.batch_size=16", "optimizer.lr=3e-3", "scheduler.warmup_steps=5",
+         f"hydra.run.dir={run_dir}"])
+    assert learned(scalars(run_dir, "train/loss"), margin=0.5)
+
+
+def test_resnet_on_cifar10_binary_files_learns_and_exports_a_reloadable_model(tmp_path, cifar_root):
+    run_dir = tmp_path / "run"
+    run(["experiment=cifar10_resnet", f"data.root={cifar_root}", "model.width=8", "data.batch_size=32",
+         "data.num_workers=0", "trainer.max_steps=40", "scheduler.warmup_steps=5", *QUIET,
+         f"hydra.run.dir={run_dir}"])
+    losses = scalars(run_dir, "train/loss")
+    assert learned(losses, margin=0.3)
+    accuracy = scalars(run_dir, "eval/accuracy")
+    assert accuracy[40] > 0.3  # 10 classes: chance is 0.1
+    assert_exported_model_matches_final_checkpoint(run_dir, torch.randn(4, 3, 32, 32))
+
+
+def test_bf16_mixed_precision_trains_on_cpu(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run([*TINY_GPT, *QUIET, "trainer.mixed_precision=bf16", "trainer.max_steps=30", "data.batch_size=16",
+                "optimizer.lr=3e-3", "scheduler.warmup_steps=5", f"hydra.run.dir={run_dir}"])
+    assert "mixed precision             : bf16" in proc.stdout
+    losses = scalars(run_dir, "train/loss")
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    assert learned(losses, margin=0.3)
+
+
+def test_eval_entry_point_reproduces_the_final_eval_metric_of_training(tmp_path):
+    run_dir = tmp_path / "run"
+    run([*TINY_GPT, *QUIET, "trainer.max_steps=20", "data.batch_size=16", f"hydra.run.dir={run_dir}"])
+    logged = scalars(run_dir, "eval/loss")[20]
+    for source in (run_dir / "model", complete_checkpoints(run_dir)[-1]):
+        run([f"path={source}"], script="eval.py")
+        report = json.loads((source / "eval_metrics.json").read_text())
+        assert abs(report["eval/loss"] - logged) < 1e-5, (source, report, logged)
