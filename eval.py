@@ -46,6 +46,7 @@ def main(cfg: DictConfig) -> None:
         report = {"path": str(source), "num_processes": accelerator.num_processes, **metrics}
         output.write_text(json.dumps(report, indent=2) + "\n")
         log.info("%s\nwritten to %s", json.dumps(report, indent=2), output)
+    accelerator.end_training()  # destroys the process group: gloo aborts at exit if it is left alive
 
 
 if __name__ == "__main__":

@@ -260,7 +260,7 @@ def shared_timestamp() -> str:
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return stamp
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("MASTER_PORT") in (None, "0"):
         raise UsageError(
             "This multi-process launch has no shared store to agree on a timestamped run directory: "
             "pass hydra.run.dir=PATH (the same on every process)."
@@ -270,7 +270,7 @@ def shared_timestamp() -> str:
     from torch.distributed import TCPStore
 
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                     timeout=timedelta(seconds=120))
+                     timeout=timedelta(seconds=30))
     return store.compare_set("template/run_timestamp", "", stamp).decode()
 
 

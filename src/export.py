@@ -27,7 +27,12 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
     tmp, old = directory.with_name(f".tmp-{directory.name}"), directory.with_name(f".old-{directory.name}")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    # save_model runs os.makedirs on every rank: it must find the directory there, and be done with it
+    # before rank 0 renames it, or another rank re-creates it.
+    accelerator.wait_for_everyone()
     accelerator.save_model(model, tmp, safe_serialization=True)
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         OmegaConf.save(config, tmp / "config.yaml")
         shutil.rmtree(old, ignore_errors=True)

@@ -42,7 +42,8 @@ def processes_requested_by_parent() -> int:
         argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:  # not Linux, or no /proc
         return 1
-    if not any(a.endswith("accelerate") for a in argv[:2]) or "launch" not in argv:
+    # `accelerate launch ...` or `python -m accelerate.commands.launch ...`
+    if not any(a.endswith("accelerate") or a == "accelerate.commands.launch" for a in argv[:3]):
         return 1
     for i, arg in enumerate(argv):
         match = re.fullmatch(r"--num[_-]processes(?:=(\d+))?", arg)

@@ -1,0 +1,126 @@
+"""Real multi-process runs over gloo on CPU: DDP is real, the maths is the same however a batch is split."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, free_port, max_abs_diff, run, scalars
+
+
+def test_two_process_run_is_real_ddp_with_identical_replicas_and_one_set_of_outputs(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=12", "trainer.eval_every=6", "data.batch_size=8",
+                f"hydra.run.dir={run_dir}"], nproc=2)
+    assert "distributed type            : DistributedType.MULTI_CPU" in proc.stdout
+    assert proc.stdout.count("distributed type ") == 1  # the banner is printed once, by rank 0
+    fingerprints = re.search(r"parameter fingerprint per rank .*: \[(.*)\]", proc.stdout).group(1).split(", ")
+    assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
+    assert len(list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))) == 1
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "checkpoints", "config.yaml", "model", "model_best", "tensorboard", "train.log"]
+    assert [p.name for p in (run_dir / "model").iterdir()].count("model.safetensors") == 1
+    assert sorted(scalars(run_dir, "train/loss")) == list(range(1, 13))
+
+
+def test_global_batch_gives_the_same_weights_and_lr_however_it_is_split(tmp_path):
+    """(1 process, batch 2B), (1 process, batch B, accumulation 2) and (2 processes, batch B) agree."""
+    common = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "trainer.max_grad_norm=0.5", "scheduler.warmup_steps=2",
+              "optimizer.lr=1e-2", "trainer.checkpoint_every=0", "trainer.monitor=null"]
+    layouts = {
+        "one_process_batch_8": (1, ["data.batch_size=8", "trainer.gradient_accumulation_steps=1"]),
+        "one_process_batch_4_accumulate_2": (1, ["data.batch_size=4", "trainer.gradient_accumulation_steps=2"]),
+        "two_processes_batch_4": (2, ["data.batch_size=4", "trainer.gradient_accumulation_steps=1"]),
+    }
+    weights, lrs, losses = {}, {}, {}
+    for name, (nproc, args) in layouts.items():
+        run_dir = tmp_path / name
+        run([*common, *args, f"hydra.run.dir={run_dir}"], nproc=nproc)
+        weights[name], lrs[name], losses[name] = exported_weights(run_dir), scalars(run_dir, "train/lr"), scalars(run_dir, "train/loss")
+    reference = weights.pop("one_process_batch_8")
+    for name, w in weights.items():
+        assert max_abs_diff(reference, w) <= 1e-5, name
+    assert lrs["one_process_batch_8"] == lrs["one_process_batch_4_accumulate_2"] == lrs["two_processes_batch_4"]
+    assert len(set(lrs["one_process_batch_8"].values())) > 1  # the schedule really moved
+    for name in layouts:
+        assert abs(losses[name][1] - losses["one_process_batch_8"][1]) < 1e-5, name  # same first global batch
+
+
+@pytest.fixture(scope="module")
+def trained_resnet(tmp_path_factory, cifar_root):
+    run_dir = tmp_path_factory.mktemp("resnet") / "run"
+    run(["experiment=cifar10_resnet", f"data.root={cifar_root}", "model.width=8", "data.batch_size=32",
+         "data.num_workers=0", "trainer.max_steps=10", *QUIET, f"hydra.run.dir={run_dir}"])
+    return run_dir
+
+
+def test_eval_metric_is_the_same_on_one_and_two_processes_with_an_odd_validation_set(trained_resnet, tmp_path):
+    reports = {}
+    for nproc in (1, 2):
+        output = tmp_path / f"metrics_{nproc}.json"
+        # batch 64 over 301 samples: the last global batch is uneven, and accelerate pads it on 2 processes
+        run([f"path={trained_resnet / 'model'}", "+data.batch_size=64", f"output={output}"], script="eval.py",
+            nproc=nproc)
+        reports[nproc] = json.loads(output.read_text())
+    assert reports[1]["eval/samples"] == reports[2]["eval/samples"] == 301
+    assert reports[2]["num_processes"] == 2
+    for metric in ("eval/loss", "eval/accuracy"):
+        assert abs(reports[1][metric] - reports[2][metric]) < 1e-9, metric
+
+
+def test_torchrun_and_accelerate_launch_train_identically(tmp_path):
+    args = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "data.batch_size=4", "trainer.checkpoint_every=0",
+            "trainer.monitor=null"]
+    for launcher in ("accelerate", "torchrun"):
+        proc = run([*args, f"hydra.run.dir={tmp_path / launcher}"], nproc=2, launcher=launcher)
+        assert "DistributedType.MULTI_CPU" in proc.stdout
+    assert max_abs_diff(exported_weights(tmp_path / "accelerate"), exported_weights(tmp_path / "torchrun")) == 0
+    assert scalars(tmp_path / "accelerate", "train/loss") == scalars(tmp_path / "torchrun", "train/loss")
+
+
+def test_ranks_of_one_launch_agree_on_the_default_timestamped_run_dir(tmp_path):
+    """No hydra.run.dir: each rank resolves the timestamp itself, and they must all pick the same one."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tinyshakespeare.txt").write_bytes((ROOT / "data" / "tinyshakespeare.txt").read_bytes()[:40000])
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         str(ROOT / "train.py"), *TINY_GPT, *QUIET, "trainer.max_steps=2", "data.batch_size=4"],
+        cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    run_dirs = list((tmp_path / "outputs").iterdir())
+    assert len(run_dirs) == 1, run_dirs
+    assert (run_dirs[0] / "model" / "model.safetensors").is_file()
+
+
+def test_bare_num_processes_without_cuda_warns_with_the_command_that_works(tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", *TINY_GPT, *QUIET,
+           "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'bare'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "`accelerate launch --num_processes 2` started ONE process" in proc.stdout
+    assert "accelerate launch --multi_gpu --num_processes 2 train.py" in proc.stdout
+
+
+def test_workers_that_form_no_process_group_stop_with_a_clear_error():
+    """The trap the launch check exists for: N workers launched, but an Accelerator without cpu=True on a
+    machine without CUDA is N independent rank-0 processes."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the workers do form a process group")
+    script = (
+        "from accelerate import Accelerator\n"
+        "from src.launch import check_process_count\n"
+        "check_process_count(Accelerator(cpu=False))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "--no-python", sys.executable, "-c", script],
+        cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "formed no process group" in proc.stdout and "--multi_gpu --num_processes 2" in proc.stdout
