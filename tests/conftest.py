@@ -46,16 +46,18 @@ def run(args: list[str], script: str = "train.py", nproc: int = 1, launcher: str
 
 
 def scalars(run_dir: Path, tag: str) -> dict[int, float]:
-    """step -> value for one scalar tag, from the run's real TensorBoard event files."""
+    """step -> value for one scalar tag, as TensorBoard shows it: all event files of the run's log dir,
+    read in order, with the purge a resumed run requests applied. Fails on a duplicated step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    values = {}
-    for event_file in sorted((run_dir / "tensorboard").glob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(event_file), size_guidance={"scalars": 0})
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            values.update({e.step: e.value for e in acc.Scalars(tag)})
-    return values
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    if tag not in acc.Tags()["scalars"]:
+        return {}
+    events = acc.Scalars(tag)
+    steps = [e.step for e in events]
+    assert len(steps) == len(set(steps)), f"duplicated steps for {tag}: {steps}"
+    return {e.step: e.value for e in events}
 
 
 def exported_weights(run_dir: Path) -> dict:

@@ -31,6 +31,10 @@ class DataModule:
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            # Its own generator: otherwise each new iterator draws a seed from the global RNG, and a run
+            # resumed mid-epoch would see different dropout than the run it continues. (The shuffle order
+            # comes from accelerate's seedable sampler, which re-seeds this generator from trainer.seed + epoch.)
+            generator=torch.Generator() if train else None,
         )
 
     def train_dataloader(self) -> DataLoader:

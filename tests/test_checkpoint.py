@@ -1,0 +1,156 @@
+"""Checkpoints never lose a run: a killed run resumes to exactly the uninterrupted run's losses."""
+
+import hashlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, launch_command, max_abs_diff, run, scalars
+
+
+@pytest.fixture(scope="module")
+def small_text(tmp_path_factory) -> Path:
+    """20 kB of Shakespeare: an epoch is a few dozen optimizer steps, so runs cross epoch boundaries."""
+    path = tmp_path_factory.mktemp("text") / "small.txt"
+    path.write_bytes((ROOT / "data" / "tinyshakespeare.txt").read_bytes()[:20000])
+    return path
+
+
+def resumable_args(small_text: Path, max_steps: int) -> list[str]:
+    # Dropout on, so resuming must also restore the RNG; accumulation 2, shuffled, several epochs.
+    return [*TINY_GPT, "model.dropout=0.1", *QUIET, f"data.path={small_text}", "data.batch_size=4",
+            "trainer.gradient_accumulation_steps=2", f"trainer.max_steps={max_steps}", "trainer.checkpoint_every=10",
+            "trainer.monitor=null", "trainer.keep_last_checkpoints=20"]
+
+
+def kill_when(args: list[str], nproc: int, ready, timeout: float = 120) -> None:
+    """Start a real launch and SIGKILL its whole process group the moment `ready()` holds."""
+    proc = subprocess.Popen(launch_command("train.py", nproc) + args, cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    try:
+        while not ready():
+            assert proc.poll() is None, "the run ended before the kill point"
+            assert time.monotonic() < deadline, "the kill point never came"
+            time.sleep(0.002)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def step_dirs(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupted_run(tmp_path, small_text, nproc):
+    max_steps = 90
+    reference, resumed = tmp_path / "uninterrupted", tmp_path / "killed"
+    run([*resumable_args(small_text, max_steps), f"hydra.run.dir={reference}"], nproc=nproc)
+
+    args = [*resumable_args(small_text, max_steps), f"hydra.run.dir={resumed}"]
+    kill_when(args, nproc, ready=lambda: (resumed / "checkpoints" / "step_00000020").is_dir())
+    assert not (resumed / "model").exists()  # it really died before the end
+    proc = run([*args, "resume=auto"], nproc=nproc)
+    assert "resumed from" in proc.stdout
+
+    expected, got = scalars(reference, "train/loss"), scalars(resumed, "train/loss")
+    assert sorted(got) == list(range(1, max_steps + 1))  # no duplicated or missing steps
+    assert got == expected  # bitwise: float32 values as logged
+    assert scalars(resumed, "train/lr") == scalars(reference, "train/lr")
+    assert max_abs_diff(exported_weights(reference), exported_weights(resumed)) == 0
+
+
+def test_sigkill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(tmp_path, small_text):
+    run_dir = tmp_path / "run"
+    # A wider model so that a save takes long enough to be caught in the middle.
+    args = [*resumable_args(small_text, 40), "model.n_embd=256", "trainer.checkpoint_every=5",
+            f"hydra.run.dir={run_dir}"]
+    in_save = lambda: (run_dir / "checkpoints" / "step_00000005").is_dir() and any(  # noqa: E731
+        (run_dir / "checkpoints").glob(".tmp-step_*"))
+    kill_when(args, 1, ready=in_save)
+    assert list((run_dir / "checkpoints").glob(".tmp-step_*"))  # killed mid-save: a partial save is left
+    complete = step_dirs(run_dir)
+    assert complete and all(len(list((run_dir / "checkpoints" / d).iterdir())) >= 5 for d in complete)
+    proc = run([*args, "resume=auto"])
+    assert f"resumed from {run_dir / 'checkpoints' / complete[-1]}" in proc.stdout
+    assert sorted(scalars(run_dir, "train/loss")) == list(range(1, 41))
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))  # the next save cleaned the partial one
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints_and_the_best_one_apart(tmp_path):
+    run_dir = tmp_path / "run"
+    # monitor the loss with mode=max: the best checkpoint is an early one, which rotation must spare.
+    run([*TINY_GPT, *QUIET, "trainer.max_steps=16", "trainer.checkpoint_every=2", "trainer.keep_last_checkpoints=3",
+         "trainer.eval_every=4", "trainer.monitor=eval/loss", "trainer.monitor_mode=max", "optimizer.lr=3e-3",
+         f"hydra.run.dir={run_dir}"])
+    eval_loss = scalars(run_dir, "eval/loss")
+    best = max(eval_loss, key=eval_loss.get)
+    assert best < 12
+    assert step_dirs(run_dir) == sorted({f"step_{s:08d}" for s in (best, 12, 14, 16)})
+    best_weights = load_file(run_dir / "checkpoints" / f"step_{best:08d}" / "model.safetensors")
+    assert max_abs_diff(load_file(run_dir / "model_best" / "model.safetensors"), best_weights) == 0
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, str]]:
+    return {str(p.relative_to(directory)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def finished_run(tmp_path) -> Path:
+    run_dir = tmp_path / "run"
+    run([*TINY_GPT, *QUIET, "trainer.max_steps=6", "trainer.checkpoint_every=3", f"hydra.run.dir={run_dir}"])
+    return run_dir
+
+
+def test_a_new_run_into_an_occupied_run_dir_is_refused_and_changes_no_file(finished_run):
+    before = snapshot(finished_run)
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", f"hydra.run.dir={finished_run}"], check=False)
+    assert proc.returncode != 0
+    assert "already holds a run" in proc.stdout and "resume=auto" in proc.stdout
+    assert "Traceback" not in proc.stdout
+    assert snapshot(finished_run) == before
+
+
+def test_resume_refuses_an_override_that_changes_the_model_and_changes_no_file(finished_run):
+    before = snapshot(finished_run)
+    proc = run([*TINY_GPT, *QUIET, "model.n_layer=3", "trainer.max_steps=6", "resume=auto",
+                f"hydra.run.dir={finished_run}"], check=False)
+    assert proc.returncode != 0
+    assert "model.n_layer=3 (the checkpoint has 2)" in proc.stdout
+    assert snapshot(finished_run) == before
+
+
+def test_resume_accepts_and_logs_a_longer_max_steps(finished_run):
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=9", "resume=auto", f"hydra.run.dir={finished_run}"])
+    assert "override accepted: trainer.max_steps: 6 -> 9" in proc.stdout
+    assert sorted(scalars(finished_run, "train/loss")) == list(range(1, 10))
+
+
+def test_resume_from_a_truncated_checkpoint_names_the_file(finished_run):
+    optimizer_file = finished_run / "checkpoints" / "step_00000006" / "optimizer.bin"
+    optimizer_file.write_bytes(optimizer_file.read_bytes()[:1000])
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
+    assert proc.returncode != 0
+    assert f"checkpoint file {optimizer_file} is corrupt or truncated" in proc.stdout
+    assert "Traceback" not in proc.stdout
+
+
+def test_resume_without_the_rank_rng_state_fails_loudly(finished_run):
+    (finished_run / "checkpoints" / "step_00000006" / "random_states_0.pkl").unlink()
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
+    assert proc.returncode != 0 and "random_states_0.pkl is missing" in proc.stdout
+
+
+def test_resume_from_an_explicit_checkpoint_path_continues_into_a_new_run_dir(finished_run, tmp_path):
+    fork = tmp_path / "fork"
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", f"resume={finished_run / 'checkpoints' / 'step_00000003'}",
+                f"hydra.run.dir={fork}"])
+    assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
+    assert max_abs_diff(exported_weights(fork), exported_weights(finished_run)) == 0
