@@ -19,7 +19,7 @@ import src.config  # noqa: F401  (registers the config schema the run's data con
 from src.checkpoint import load_checkpointed_model, run_config_for
 from src.evaluation import evaluate
 from src.export import load_exported_model
-from src.launch import check_process_count, needs_cpu_flag, use_cpu_threads
+from src.launch import check_process_count, needs_cpu_flag, shut_down, use_cpu_threads
 
 log = logging.getLogger("eval")
 
@@ -46,7 +46,7 @@ def main(cfg: DictConfig) -> None:
         report = {"path": str(source), "num_processes": accelerator.num_processes, **metrics}
         output.write_text(json.dumps(report, indent=2) + "\n")
         log.info("%s\nwritten to %s", json.dumps(report, indent=2), output)
-    accelerator.end_training()  # destroys the process group: gloo aborts at exit if it is left alive
+    shut_down(accelerator)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Every key is documented in src/config.py; the defaults live in config/.
 
 import logging
 import math
+import sys
 from pathlib import Path
 
 import hydra
@@ -23,9 +24,10 @@ import src.config  # noqa: F401  (registers the config schema and the run-dir re
 from src.checkpoint import Checkpointer, config_for_resume, load_checkpoint, resume_source
 from src.evaluation import evaluate
 from src.export import export_model, model_config
-from src.launch import build_accelerator, check_replicas_in_sync, describe_launch
+from src.launch import build_accelerator, check_replicas_in_sync, describe_launch, shut_down
 from src.objective import training_loss
 from src.optim import param_groups
+from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from src.run_log import start_run_log
 from src.train_state import TrainState, is_improvement, micro_batches
 
@@ -60,6 +62,7 @@ def main(cfg: DictConfig) -> None:
     checkpointer = Checkpointer(accelerator, run_dir, cfg)
     start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, run_dir), state.step)
     export_config = model_config(cfg.model, data.model_kwargs)
+    preemption = PreemptionWatch()
 
     # Loop: one iteration per micro-batch; everything below `sync_gradients` happens once per optimizer step.
     max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
@@ -98,13 +101,21 @@ def main(cfg: DictConfig) -> None:
                 export_model(accelerator, model, export_config, run_dir / "model_best")
         if done or (trainer.checkpoint_every and state.step % trainer.checkpoint_every == 0):
             checkpointer.save(state)
+        if not done and preemption.stop_agreed(accelerator):
+            log.warning("stopping at step %d on %s: saving a checkpoint", state.step, preemption.describe())
+            checkpointer.save(state)
+            break
     progress.close()
+    if state.step < trainer.max_steps:  # stopped early: resume later from the checkpoint just saved
+        requeue_slurm_job(accelerator)
+        shut_down(accelerator)
+        sys.exit(PREEMPTED_EXIT_CODE)
 
     # Save.
-    check_replicas_in_sync(accelerator, model)
     export_model(accelerator, model, export_config, run_dir / "model")
     log.info("exported the final model to %s", run_dir / "model")
-    accelerator.end_training()
+    check_replicas_in_sync(accelerator, model)
+    shut_down(accelerator)
 
 
 if __name__ == "__main__":

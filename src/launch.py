@@ -88,7 +88,10 @@ def use_cpu_threads(accelerator: Accelerator, threads: int | None) -> None:
     """accelerate's launcher exports OMP_NUM_THREADS=1, which leaves all but one core idle on CPU."""
     if accelerator.device.type != "cpu":
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # Under SLURM the allocation, not the machine, says how many cores are ours (CPU binding may be off):
+    # oversubscribed threads make CPU reductions nondeterministic, and DDP replicas then drift apart.
+    cores = int(os.environ.get("SLURM_CPUS_PER_TASK", 0)) or (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     torch.set_num_threads(threads or max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
@@ -164,3 +167,10 @@ def check_replicas_in_sync(accelerator: Accelerator, model) -> None:
     log.info("parameter fingerprint per rank (sum of all parameters): %s", [sum(f) for f in fingerprints])
     if any(f != fingerprints[0] for f in fingerprints):
         raise RuntimeError("model replicas differ between ranks at the end of training")
+
+
+def shut_down(accelerator: Accelerator) -> None:
+    """Close trackers and the process group together: gloo can abort a rank whose peer tore down first,
+    and one left alive at exit aborts too ("terminate called without an active exception")."""
+    accelerator.wait_for_everyone()
+    accelerator.end_training()

@@ -76,3 +76,7 @@ def cifar_root(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "scripts/make_synthetic_cifar10.py", str(root), "--train-per-batch", "200",
                     "--test", "301"], cwd=ROOT, check=True, capture_output=True)
     return root
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slurm: needs a running SLURM cluster (scripts/local_slurm.sh start)")

@@ -1,0 +1,73 @@
+"""A stop signal saves a checkpoint and the resumed run ends where the uninterrupted one does."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, launch_command, max_abs_diff, run, scalars
+
+PREEMPTED_EXIT_CODE = 75
+
+
+def args_for(run_dir: Path, max_steps: int = 400) -> list[str]:
+    return [*TINY_GPT, "model.dropout=0.1", *QUIET, "data.batch_size=4", "trainer.gradient_accumulation_steps=2",
+            f"trainer.max_steps={max_steps}", "trainer.checkpoint_every=10", "trainer.monitor=null",
+            f"hydra.run.dir={run_dir}"]
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, "the run ended early"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the training processes a torchrun agent started."""
+    ranks = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"PPid:\t{agent_pid}\n" in status.read_text():
+                env = (status.parent / "environ").read_bytes().split(b"\0")
+                rank = next(int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK="))
+                ranks[rank] = int(status.parent.name)
+        except (OSError, StopIteration):
+            continue
+    return ranks
+
+
+def test_sigterm_saves_a_checkpoint_exits_with_the_preempted_status_and_resume_matches(tmp_path):
+    reference, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
+    run(args_for(reference, 60))
+    proc = subprocess.Popen(launch_command("train.py", 1) + args_for(stopped, 60), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: (stopped / "checkpoints" / "step_00000010").is_dir(), proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
+    assert "stopping at step" in output and "on SIGTERM" in output
+    assert not (stopped / "model").exists()
+    run([*args_for(stopped, 60), "resume=auto"])
+    assert scalars(stopped, "train/loss") == scalars(reference, "train/loss")
+    assert max_abs_diff(exported_weights(reference), exported_weights(stopped)) == 0
+
+
+def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step_with_one_checkpoint(tmp_path):
+    reference, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
+    max_steps = 80
+    run(args_for(reference, max_steps), nproc=2, launcher="torchrun")
+    proc = subprocess.Popen(launch_command("train.py", 2, "torchrun") + args_for(stopped, max_steps), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(lambda: (stopped / "checkpoints" / "step_00000010").is_dir() and len(worker_pids(proc.pid)) == 2, proc)
+    os.kill(worker_pids(proc.pid)[1], signal.SIGUSR1)  # rank 1 only
+    output, _ = proc.communicate(timeout=120)
+    assert "stopping at step" in output and "on a signal to another rank" in output  # rank 0's account
+    newest = sorted((stopped / "checkpoints").glob("step_*"))[-1]
+    assert {p.name for p in newest.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert not (stopped / "model").exists()
+    run([*args_for(stopped, max_steps), "resume=auto"], nproc=2, launcher="torchrun")
+    assert scalars(stopped, "train/loss") == scalars(reference, "train/loss")
+    assert max_abs_diff(exported_weights(reference), exported_weights(stopped)) == 0
