@@ -78,10 +78,18 @@ def build_accelerator(trainer: DictConfig, run_dir: Path) -> Accelerator:
         project_dir=str(run_dir),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=trainer.dist_timeout_s))],
     )
+    quiet_other_ranks(accelerator)
     check_process_count(accelerator)
     check_same_run_dir(accelerator, run_dir)
     use_cpu_threads(accelerator, trainer.cpu_threads)
     return accelerator
+
+
+def quiet_other_ranks(accelerator: Accelerator) -> None:
+    # accelerate logs every file of every save at INFO; src/checkpoint.py logs one line per save instead.
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
+    if not accelerator.is_main_process:  # their INFO lines would repeat rank 0's; warnings and errors stay
+        logging.getLogger().setLevel(logging.WARNING)
 
 
 def use_cpu_threads(accelerator: Accelerator, threads: int | None) -> None:

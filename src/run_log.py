@@ -10,8 +10,6 @@ log = logging.getLogger("train")
 
 
 def start_run_log(accelerator: Accelerator, cfg: DictConfig, run_dir: Path, banner: str, first_step: int = 0) -> None:
-    # accelerate logs every file of every save at INFO; src/checkpoint.py logs one line per save instead.
-    logging.getLogger("accelerate").setLevel(logging.WARNING)
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(run_dir / "train.log")
@@ -19,9 +17,6 @@ def start_run_log(accelerator: Accelerator, cfg: DictConfig, run_dir: Path, bann
         logging.getLogger().addHandler(handler)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         log.info("\n%s", banner)
-    else:
-        # Other ranks keep warnings and errors; their INFO lines would repeat rank 0's.
-        logging.getLogger().setLevel(logging.WARNING)
     # purge_step: after a resume TensorBoard drops the events a killed run wrote past the checkpoint,
     # so its curves have no duplicated steps.
     accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": {"purge_step": first_step + 1 if first_step else None}})

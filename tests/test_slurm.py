@@ -1,0 +1,111 @@
+"""The SLURM scripts on a real (local, 2-node) SLURM cluster: `scripts/local_slurm.sh start` brings one up."""
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+
+
+def cluster_is_up() -> bool:
+    if shutil.which("sbatch") is None:
+        return False
+    result = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True)
+    return result.returncode == 0 and "idle" in result.stdout
+
+
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.skipif(not cluster_is_up(), reason="no SLURM cluster here (start one: scripts/local_slurm.sh start)"),
+]
+# The test nodes have 1 CPU and no GPU: override the scripts' #SBATCH hardware lines as a user would.
+CPU_NODES = ["--gpus-per-node=0", "--cpus-per-task=1"]
+TRAIN = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.monitor=null"]
+
+
+def submit(script: str, sbatch_args: list[str], overrides: list[str], log: Path) -> str:
+    result = subprocess.run(["sbatch", "--parsable", *CPU_NODES, f"--output={log}", *sbatch_args,
+                             f"slurm/{script}", *overrides], cwd=ROOT, capture_output=True, text=True, check=True)
+    return result.stdout.strip().split(";")[0]
+
+
+def job_field(job_id: str, field: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    return next((w.split("=", 1)[1] for w in out.split() if w.startswith(f"{field}=")), "")
+
+
+def wait_for_end(job_id: str, timeout: float, on_pending_requeue=None) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = job_field(job_id, "JobState")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state
+        if state == "PENDING" and on_pending_requeue and job_field(job_id, "Restarts") not in ("", "0"):
+            on_pending_requeue()
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id])
+    raise AssertionError(f"job {job_id} still {job_field(job_id, 'JobState')} after {timeout} s")
+
+
+def test_two_node_job_ends_with_the_weights_of_a_single_node_two_process_run(tmp_path):
+    overrides = [*TRAIN, "trainer.max_steps=8"]
+    job = submit("train_multi_node.sbatch", [], [*overrides, f"hydra.run.dir={tmp_path / 'slurm'}"], tmp_path / "log")
+    assert wait_for_end(job, 180) == "COMPLETED", (tmp_path / "log").read_text(errors="replace")[-3000:]
+    log = (tmp_path / "log").read_text(errors="replace")
+    assert "2 nodes x 1 process(es)" in log and "DistributedType.MULTI_CPU" in log
+    run([*overrides, f"hydra.run.dir={tmp_path / 'local'}"], nproc=2)
+    assert max_abs_diff(exported_weights(tmp_path / "slurm"), exported_weights(tmp_path / "local")) == 0
+
+
+def test_single_node_job_completes(tmp_path):
+    job = submit("train_single_node.sbatch", [], [*TRAIN, "trainer.max_steps=6", f"hydra.run.dir={tmp_path / 'run'}"],
+                 tmp_path / "log")
+    assert wait_for_end(job, 180) == "COMPLETED", (tmp_path / "log").read_text(errors="replace")[-3000:]
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+
+
+def test_usr1_checkpoints_requeues_and_resumes_in_the_job_id_run_dir_to_the_uninterrupted_weights(tmp_path):
+    overrides = [*TRAIN, "model.dropout=0.1", "trainer.max_steps=200", "trainer.checkpoint_every=10"]
+    job = submit("train_multi_node.sbatch", [], overrides, tmp_path / "log")  # default run dir: from the job id
+    run_dir = ROOT / "outputs" / f"slurm-{job}"
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "step_00000010").is_dir():
+            assert time.monotonic() < deadline and job_field(job, "JobState") in ("PENDING", "RUNNING")
+            time.sleep(0.1)
+        subprocess.run(["scancel", "--signal=USR1", job], check=True)
+        # A requeued job waits for a begin time SLURM sets (about 2 minutes); release it now, as an admin may.
+        release = lambda: subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])  # noqa: E731
+        assert wait_for_end(job, 300, on_pending_requeue=release) == "COMPLETED", (tmp_path / "log").read_text(errors="replace")[-3000:]
+        log = (tmp_path / "log").read_text(errors="replace")
+        assert job_field(job, "Restarts") == "1"
+        assert "on SIGUSR1: saving a checkpoint" in log and f"requeued SLURM job {job}" in log
+        assert "resumed from" in log
+        run([*overrides, f"hydra.run.dir={tmp_path / 'uninterrupted'}"], nproc=2)
+        assert scalars(run_dir, "train/loss") == scalars(tmp_path / "uninterrupted", "train/loss")
+        assert max_abs_diff(exported_weights(run_dir), exported_weights(tmp_path / "uninterrupted")) == 0
+    finally:
+        subprocess.run(["scancel", job])
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_sigkill_of_one_training_process_fails_the_whole_job_without_hanging(tmp_path):
+    run_dir = tmp_path / "run"
+    job = submit("train_multi_node.sbatch", [],
+                 [*TRAIN, "trainer.max_steps=100000", "trainer.dist_timeout_s=60", f"hydra.run.dir={run_dir}"],
+                 tmp_path / "log")
+    deadline = time.monotonic() + 120
+    while not list((run_dir / "tensorboard").glob("events.*")):
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-f", f"train.py .*hydra.run.dir={run_dir}"], capture_output=True, text=True)
+    training = [int(p) for p in workers.stdout.split()
+                if "accelerate" not in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    assert len(training) == 2
+    started = time.monotonic()
+    subprocess.run(["kill", "-9", str(training[-1])], check=True)
+    assert wait_for_end(job, 120) == "FAILED"
+    assert time.monotonic() - started < 90
