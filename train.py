@@ -48,6 +48,8 @@ def main(cfg: DictConfig) -> None:
     # Build.
     data = instantiate(cfg.data)
     model = instantiate(cfg.model, **data.model_kwargs)
+    if trainer.compile:
+        model.compile()  # in place, so state_dict keys stay free of torch.compile's "_orig_mod." prefix
     optimizer = instantiate(cfg.optimizer)(param_groups(model))
     scheduler = instantiate(cfg.scheduler)(optimizer)
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader()

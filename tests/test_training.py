@@ -90,3 +90,11 @@ def test_eval_entry_point_reproduces_the_final_eval_metric_of_training(tmp_path)
         run([f"path={source}"], script="eval.py")
         report = json.loads((source / "eval_metrics.json").read_text())
         assert abs(report["eval/loss"] - logged) < 1e-5, (source, report, logged)
+
+
+def test_compiled_model_trains_and_exports_weights_a_fresh_model_loads(tmp_path):
+    run_dir = tmp_path / "run"
+    run([*TINY_GPT, *QUIET, "trainer.compile=true", "trainer.max_steps=6", "data.batch_size=8",
+         f"hydra.run.dir={run_dir}"])
+    tokens = torch.randint(0, exported_kwargs(run_dir)["vocab_size"], (2, 32))
+    assert_exported_model_matches_final_checkpoint(run_dir, tokens)  # no "_orig_mod." prefix in either
