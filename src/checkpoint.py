@@ -20,12 +20,11 @@ import shutil
 import time
 import zipfile
 from pathlib import Path
-from enum import Enum
 from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_model
 
@@ -88,21 +87,24 @@ def resume_source(resume: Optional[str], run_dir: Path) -> Optional[Path]:
 def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
     """The checkpoint's config, plus the command line's safe overrides; any other change is refused.
 
-    Only keys the command line names are compared, so re-running the same command (e.g. a requeued
-    SLURM job) resumes, while edits to YAML defaults made since do not leak into a running experiment.
+    Only what the command line names is compared (a key and everything under it; a name the config does
+    not have, such as experiment=..., can change anything, so then everything), so re-running the same
+    command (e.g. a requeued SLURM job) resumes, while YAML defaults edited since do not leak in.
     """
     saved = OmegaConf.load(checkpoint / CONFIG_FILE)
+    new_leaves, old_leaves = _leaves(cfg), _leaves(saved)
+    named = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
+    scopes = [key if any(_under(leaf, key) for leaf in new_leaves) else "" for key in named]
     refused, changed = [], []
-    for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        new, old = _comparable(OmegaConf.select(cfg, key)), _comparable(OmegaConf.select(saved, key))
-        if new == old:
+    for leaf in sorted(new_leaves.keys() | old_leaves.keys()):
+        new, old = new_leaves.get(leaf), old_leaves.get(leaf)
+        if new == old or not any(_under(leaf, scope) for scope in scopes):
             continue
-        if key in SAFE_ON_RESUME:
-            OmegaConf.update(saved, key, new, force_add=True)
-            changed.append(f"{key}: {old} -> {new}")
+        if leaf in SAFE_ON_RESUME:
+            OmegaConf.update(saved, leaf, new, force_add=True)
+            changed.append(f"{leaf}: {old} -> {new}")
         else:
-            refused.append(f"{key}={new} (the checkpoint has {old})")
+            refused.append(f"{leaf}={new} (the checkpoint has {old})")
     if refused:
         raise UsageError(
             f"Cannot resume from {checkpoint} with a different model or setup:\n  " + "\n  ".join(refused)
@@ -117,10 +119,19 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     return OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
 
 
-def _comparable(value):
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True, enum_to_str=True)
-    return value.name if isinstance(value, Enum) else value
+def _leaves(cfg: DictConfig) -> dict:
+    """full.key -> value of every leaf (lists count as one value), resolved, enums as names."""
+    def walk(node: dict, prefix: str) -> dict:
+        out = {}
+        for key, value in node.items():
+            out.update(walk(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    return walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
+
+
+def _under(leaf: str, scope: str) -> bool:
+    return scope == "" or leaf == scope or leaf.startswith(scope + ".")
 
 
 # --- saving -------------------------------------------------------------------------------------------
@@ -207,8 +218,8 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
     check_readable(checkpoint)
     rng_file = checkpoint / f"random_states_{accelerator.process_index}.pkl"
     if not rng_file.is_file():
-        raise UsageError(f"{rng_file} is missing: this checkpoint was written by fewer processes; "
-                         "the data order and dropout of rank %d cannot be restored" % accelerator.process_index)
+        raise UsageError(f"{rng_file} is missing: this checkpoint was written by fewer processes, so the "
+                         f"random state of rank {accelerator.process_index} cannot be restored")
     accelerator.load_state(str(checkpoint))  # loads with torch.load(weights_only=True)
     # accelerate only logs "Could not load random states" at INFO when RNG restore fails: verify it.
     from accelerate.utils import load as safe_load

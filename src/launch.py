@@ -13,13 +13,13 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import GradientAccumulationPlugin
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import GradientAccumulationPlugin, broadcast_object_list
 from omegaconf import DictConfig
 
 from src.config import UsageError
 
 log = logging.getLogger(__name__)
+
 
 def cpu_ddp_hint(n: int) -> str:
     return (

@@ -42,8 +42,8 @@ class PreemptionWatch:
 
 def requeue_slurm_job(accelerator: Accelerator) -> bool:
     """Put this SLURM job back in the queue (rank 0 only); it restarts the same batch script."""
-    job_id = os.environ.get("SLURM_ARRAY_JOB_ID") and os.environ.get("SLURM_ARRAY_TASK_ID") and (
-        f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}") or os.environ.get("SLURM_JOB_ID")
+    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    job_id = f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID")
     if not job_id or not accelerator.is_main_process:
         return False
     result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)

@@ -127,6 +127,12 @@ def test_resume_refuses_an_override_that_changes_the_model_and_changes_no_file(f
     assert snapshot(finished_run) == before
 
 
+def test_resume_refuses_an_experiment_that_changes_the_setup(finished_run):
+    proc = run([*QUIET, "experiment=cifar10_resnet", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
+    assert proc.returncode != 0
+    assert "Cannot resume" in proc.stdout and "model._target_=src.models.resnet.ResNet" in proc.stdout
+
+
 def test_resume_accepts_and_logs_a_longer_max_steps(finished_run):
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=9", "resume=auto", f"hydra.run.dir={finished_run}"])
     assert "override accepted: trainer.max_steps: 6 -> 9" in proc.stdout
