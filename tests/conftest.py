@@ -24,6 +24,9 @@ def free_port() -> int:
 def launch_command(script: str, nproc: int, launcher: str = "accelerate") -> list[str]:
     if nproc == 1:
         return [sys.executable, script]
+    if launcher == "accelerate_config":  # the CPU-DDP launch config users are pointed to
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "config/accelerate/cpu_ddp.yaml",
+                "--num_processes", str(nproc), "--main_process_port", str(free_port()), script]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_port", str(free_port()), script]
