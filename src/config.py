@@ -114,6 +114,7 @@ class Cifar10DataConfig(LoaderConfig):
     root: str = setting(MISSING, "directory with data_batch_*.bin and test_batch.bin")
     augment: bool = setting(True, "random crop + flip on training images")
     num_classes: int = setting(10, "number of labels", ge=2)
+    seed: int = setting("${trainer.seed}", "seed of the augmentation (with epoch and sample index)", ge=0)
 
 
 # --- optimizer and scheduler options (built with _partial_, then given params / the optimizer) -----------

@@ -45,6 +45,8 @@ def micro_batches(accelerator: Accelerator, loader, state: TrainState, max_steps
     """
     while state.step < max_steps:
         loader.set_epoch(state.epoch)
+        if hasattr(loader.dataset, "set_epoch"):  # accelerate forwards it only for some sampler layouts
+            loader.dataset.set_epoch(state.epoch)
         epoch_loader = loader
         if state.batches_into_epoch:
             epoch_loader = accelerator.skip_first_batches(loader, state.batches_into_epoch)

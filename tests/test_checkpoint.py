@@ -66,6 +66,20 @@ def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupt
     assert max_abs_diff(exported_weights(reference), exported_weights(resumed)) == 0
 
 
+def test_resume_reproduces_augmented_image_training_with_loader_workers(tmp_path, cifar_root):
+    """Random crops and flips in two DataLoader workers, BatchNorm, accumulation: still bitwise after a kill."""
+    args = ["experiment=cifar10_resnet", f"data.root={cifar_root}", "model.width=8", "data.batch_size=16",
+            "data.num_workers=2", "trainer.gradient_accumulation_steps=2", "trainer.max_steps=45",
+            "trainer.checkpoint_every=10", "trainer.monitor=null", "trainer.keep_last_checkpoints=20", *QUIET]
+    reference, resumed = tmp_path / "uninterrupted", tmp_path / "killed"
+    run([*args, f"hydra.run.dir={reference}"])
+    kill_when([*args, f"hydra.run.dir={resumed}"], 1,
+              ready=lambda: (resumed / "checkpoints" / "step_00000020").is_dir())
+    run([*args, f"hydra.run.dir={resumed}", "resume=auto"])
+    assert scalars(resumed, "train/loss") == scalars(reference, "train/loss")
+    assert max_abs_diff(exported_weights(reference), exported_weights(resumed)) == 0
+
+
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_to_resume_from(tmp_path, small_text):
     run_dir = tmp_path / "run"
     # A wider model so that a save takes long enough to be caught in the middle.

@@ -30,7 +30,8 @@ class DataModule:
             drop_last=train,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
+            # Training workers restart each epoch so that they see the dataset's set_epoch (augmentation seeds).
+            persistent_workers=self.num_workers > 0 and not train,
             # Its own generator: otherwise each new iterator draws a seed from the global RNG, and a run
             # resumed mid-epoch would see different dropout than the run it continues. (The shuffle order
             # comes from accelerate's seedable sampler, which re-seeds this generator from trainer.seed + epoch.)

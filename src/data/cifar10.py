@@ -26,8 +26,12 @@ def read_records(files: list[Path]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class CifarImages(Dataset):
-    def __init__(self, images: np.ndarray, labels: np.ndarray, augment: bool):
+    def __init__(self, images: np.ndarray, labels: np.ndarray, augment: bool, seed: int = 0):
         self.images, self.labels, self.augment = torch.from_numpy(images), torch.from_numpy(labels), augment
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -35,9 +39,12 @@ class CifarImages(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         image = (self.images[i].float() / 255 - MEAN) / STD
         if self.augment:  # the standard CIFAR recipe: random 4-pixel-padded crop and horizontal flip
-            if torch.rand(()) < 0.5:
+            # Drawn from (seed, epoch, index) alone, not from a global or worker RNG, so the same sample gets
+            # the same augmentation whichever worker loads it, and a resumed run sees exactly what it would have.
+            rng = torch.Generator().manual_seed(((self.seed * 1_000_003 + self.epoch) * 10_000_019 + i) % 2**63)
+            if torch.rand((), generator=rng) < 0.5:
                 image = image.flip(-1)
-            dx, dy = torch.randint(0, 9, (2,)).tolist()
+            dx, dy = torch.randint(0, 9, (2,), generator=rng).tolist()
             image = torch.nn.functional.pad(image, (4, 4, 4, 4))[:, dy : dy + 32, dx : dx + 32]
         return image, self.labels[i]
 
@@ -45,7 +52,7 @@ class CifarImages(Dataset):
 class Cifar10Data(DataModule):
     """Trains on every `data_batch_*.bin` under `root`, validates on `test_batch.bin`."""
 
-    def __init__(self, root: str, augment: bool = True, num_classes: int = 10, **loader):
+    def __init__(self, root: str, augment: bool = True, num_classes: int = 10, seed: int = 0, **loader):
         super().__init__(**loader)
         root_dir = Path(root).expanduser()
         train_files = sorted(root_dir.glob("data_batch_*.bin"))
@@ -54,6 +61,6 @@ class Cifar10Data(DataModule):
                 f"data.root={root!r} must hold CIFAR-10's binary files (data_batch_*.bin and test_batch.bin); "
                 "scripts/make_synthetic_cifar10.py writes a small set in that format"
             )
-        self.train = CifarImages(*read_records(train_files), augment=augment)
+        self.train = CifarImages(*read_records(train_files), augment=augment, seed=seed)
         self.val = CifarImages(*read_records([root_dir / "test_batch.bin"]), augment=False)
         self.model_kwargs = {"num_classes": num_classes}
