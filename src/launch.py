@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import GradientAccumulationPlugin, broadcast_object_list
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, broadcast_object_list
 from omegaconf import DictConfig
 
 from src.config import UsageError
@@ -70,7 +70,8 @@ def build_accelerator(trainer: DictConfig, run_dir: Path) -> Accelerator:
             sync_with_dataloader=False,
         ),
         # A seedable sampler makes the shuffle order a function of (seed, epoch): what mid-epoch resume needs.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # non_blocking: batches copy to the GPU asynchronously from pinned memory (see src/data/base.py).
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=torch.cuda.is_available()),
         # train.py steps the LR schedule once per optimizer step itself; accelerate's default would step it
         # num_processes times per update.
         step_scheduler_with_optimizer=False,
@@ -165,9 +166,8 @@ def check_replicas_in_sync(accelerator: Accelerator, model) -> None:
 
     Each rank reduces every parameter to a float64 sum, cheap at any scale; ranks compare the vectors.
     """
-    if accelerator.num_processes == 1:
-        return
-    import torch
+    if accelerator.num_processes == 1 or accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        return  # single process, or sharded parameters: each rank holds different shards by design
     from accelerate.utils import gather_object
 
     fingerprint = torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu().tolist()
