@@ -19,7 +19,7 @@ import src.config  # noqa: F401  (registers the config schema the run's data con
 from src.checkpoint import load_checkpointed_model, run_config_for
 from src.evaluation import evaluate
 from src.export import load_exported_model
-from src.launch import check_process_count, needs_cpu_flag, shut_down, use_cpu_threads
+from src.launch import check_process_count, needs_cpu_flag, run_then_release, shut_down, use_cpu_threads
 
 log = logging.getLogger("eval")
 
@@ -50,4 +50,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_release(main)

@@ -24,7 +24,7 @@ import src.config  # noqa: F401  (registers the config schema and the run-dir re
 from src.checkpoint import Checkpointer, config_for_resume, load_checkpoint, resume_source
 from src.evaluation import evaluate
 from src.export import export_model, model_config
-from src.launch import build_accelerator, check_replicas_in_sync, describe_launch, shut_down
+from src.launch import build_accelerator, check_replicas_in_sync, describe_launch, run_then_release, shut_down
 from src.objective import training_loss
 from src.optim import param_groups
 from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
@@ -121,4 +121,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_release(main)
