@@ -91,21 +91,25 @@ class LoaderConfig:
 
 
 @dataclass
-class TextDataConfig(LoaderConfig):
-    _target_: str = "src.data.text.TextData"
-    path: str = setting(MISSING, "UTF-8 text file")
-    level: TextLevel = setting(TextLevel.char, "tokens are characters (vocab from the file) or bytes (256)")
+class TokenStreamConfig(LoaderConfig):
+    """What both language-model datasets share: a token stream cut into windows, its tail validating."""
+
     block_size: int = setting("${model.block_size}", "tokens per sample", ge=1)
     val_fraction: float = setting(0.1, "tail of the file used for validation", gt=0, lt=1)
 
 
 @dataclass
-class TokenDataConfig(LoaderConfig):
+class TextDataConfig(TokenStreamConfig):
+    _target_: str = "src.data.text.TextData"
+    path: str = setting(MISSING, "UTF-8 text file")
+    level: TextLevel = setting(TextLevel.char, "tokens are characters (vocab from the file) or bytes (256)")
+
+
+@dataclass
+class TokenDataConfig(TokenStreamConfig):
     _target_: str = "src.data.text.TokenData"
     path: str = setting(MISSING, "flat uint16 token-id file (nanoGPT's .bin format)")
     vocab_size: int = setting(MISSING, "number of distinct token ids", ge=1, le=65536)
-    block_size: int = setting("${model.block_size}", "tokens per sample", ge=1)
-    val_fraction: float = setting(0.1, "tail of the file used for validation", gt=0, lt=1)
 
 
 @dataclass
