@@ -24,11 +24,13 @@ from typing import Optional
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import load as safe_load
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_model
 
-from src.config import UsageError
+from src.config import TrainConfig, UsageError
 from src.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -114,8 +116,6 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     for line in changed:
         log.warning("resume: override accepted: %s", line)
     # The saved config is plain (resolved) YAML: put the schema back so enums and types are as in a fresh run.
-    from src.config import TrainConfig
-
     return OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
 
 
@@ -191,7 +191,11 @@ def _fsync_tree(directory: Path) -> None:
 
 
 def check_readable(checkpoint: Path) -> None:
-    """A clear error naming the file for a truncated or corrupt checkpoint, before anything is loaded."""
+    """A clear error naming the file for a truncated or corrupt checkpoint, before anything is loaded.
+
+    The CRC check reads every torch file once more, deliberately: torch.load does not verify CRCs, so a
+    file corrupted in the middle would otherwise load silently (verified: 16 bad bytes in optimizer.bin).
+    """
     required = ["model.safetensors", "optimizer.bin", "scheduler.bin", STATE_FILE, CONFIG_FILE]
     for name in required:
         if not (checkpoint / name).is_file():
@@ -199,9 +203,8 @@ def check_readable(checkpoint: Path) -> None:
     for file in sorted(checkpoint.iterdir()):
         try:
             if file.suffix == ".safetensors":
-                with safe_open(file, framework="pt") as f:  # validates the header against the file size
-                    for key in f.keys():
-                        f.get_slice(key)
+                with safe_open(file, framework="pt"):  # validates the header against the file size
+                    pass
             elif file.suffix in (".bin", ".pt", ".pkl"):
                 with zipfile.ZipFile(file) as archive:  # torch.save's format; truncation breaks its index
                     if archive.testzip() is not None:
@@ -222,8 +225,6 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
                          f"random state of rank {accelerator.process_index} cannot be restored")
     accelerator.load_state(str(checkpoint))  # loads with torch.load(weights_only=True)
     # accelerate only logs "Could not load random states" at INFO when RNG restore fails: verify it.
-    from accelerate.utils import load as safe_load
-
     saved_rng = safe_load(rng_file)["torch_manual_seed"]
     if not torch.equal(torch.get_rng_state(), saved_rng):
         raise RuntimeError(f"the RNG state in {rng_file} was not restored; resuming would not be exact")
@@ -244,8 +245,6 @@ def run_config_for(path: Path) -> DictConfig:
 
 
 def load_checkpointed_model(checkpoint: Path, run_cfg: DictConfig, model_kwargs: dict) -> torch.nn.Module:
-    from hydra.utils import instantiate
-
     check_readable(checkpoint)
     model = instantiate(run_cfg.model, **model_kwargs)
     load_model(model, checkpoint / "model.safetensors", strict=True)

@@ -162,6 +162,22 @@ def test_resume_from_a_truncated_checkpoint_names_the_file(finished_run):
     assert "Traceback" not in proc.stdout
 
 
+def test_resume_from_a_checkpoint_corrupted_mid_file_names_the_file(finished_run):
+    """The zip index is intact, only tensor bytes are wrong: torch.load alone would load them silently."""
+    import zipfile
+
+    optimizer_file = finished_run / "checkpoints" / "step_00000006" / "optimizer.bin"
+    data = bytearray(optimizer_file.read_bytes())
+    with zipfile.ZipFile(optimizer_file) as archive:
+        member = max(archive.infolist(), key=lambda info: info.file_size)
+    start = member.header_offset + 30 + len(member.filename) + len(member.extra) + 64
+    data[start : start + 16] = b"\xff" * 16
+    optimizer_file.write_bytes(bytes(data))
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
+    assert proc.returncode != 0
+    assert f"checkpoint file {optimizer_file} is corrupt or truncated (CRC mismatch)" in proc.stdout
+
+
 def test_resume_without_the_rank_rng_state_fails_loudly(finished_run):
     (finished_run / "checkpoints" / "step_00000006" / "random_states_0.pkl").unlink()
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
