@@ -78,6 +78,7 @@ def hand_written(args, overrides: list[str]) -> dict:
 
 
 def template(args, overrides: list[str]) -> dict:
+    from omegaconf import OmegaConf
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with tempfile.TemporaryDirectory() as run_dir:
@@ -88,10 +89,9 @@ def template(args, overrides: list[str]) -> dict:
         acc = EventAccumulator(f"{run_dir}/r/tensorboard")
         acc.Reload()
         events = acc.Scalars("train/loss")
-        block = [l for l in Path(f"{run_dir}/r/config.yaml").read_text().splitlines() if "batch_size" in l]
-    batch = int(block[0].split(":")[1])
-    seq = next((int(o.split("=")[1]) for o in overrides if o.startswith("model.block_size=")), 64)
-    tokens_per_step = batch * seq
+        cfg = OmegaConf.load(f"{run_dir}/r/config.yaml")  # what the run really used
+    # A token per position for a language model, one per image for a classifier (as on the hand-written side).
+    tokens_per_step = cfg.data.batch_size * cfg.data.get("block_size", 1) * cfg.trainer.gradient_accumulation_steps
     elapsed = events[-1].wall_time - events[0].wall_time
     return {"tokens_per_s": tokens_per_step * (events[-1].step - events[0].step) / elapsed,
             "peak_rss_gib_children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}

@@ -12,13 +12,16 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import Enum
 from typing import Any, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from omegaconf import MISSING, DictConfig, OmegaConf
+from torch.distributed import TCPStore
 
 
 def setting(default: Any, help: str, **bounds: float) -> Any:
@@ -224,8 +227,6 @@ def config_errors(cfg: DictConfig) -> list[str]:
     groups = [(key, cfg[key]) for key in cfg if key != "hydra" and isinstance(cfg[key], DictConfig)]
     errors = [error for key, node in groups for error in range_errors(node, f"{key}.")]
     if OmegaConf.select(cfg, "trainer.mixed_precision") == MixedPrecision.fp16:
-        import torch
-
         if not torch.cuda.is_available():
             errors.append("trainer.mixed_precision=fp16 needs a CUDA GPU (on CPU accelerate would silently run "
                           "fp32): use bf16 or no")
@@ -270,10 +271,6 @@ def shared_timestamp() -> str:
             "This multi-process launch has no shared store to agree on a timestamped run directory: "
             "pass hydra.run.dir=PATH (the same on every process)."
         )
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                      timeout=timedelta(seconds=30))
     return store.compare_set("template/run_timestamp", "", stamp).decode()

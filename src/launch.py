@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
-from accelerate.utils import DistributedType, GradientAccumulationPlugin, broadcast_object_list
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, broadcast_object_list, gather_object
 from omegaconf import DictConfig
 
 from src.config import UsageError
@@ -170,8 +170,6 @@ def check_replicas_in_sync(accelerator: Accelerator, model) -> None:
     """
     if accelerator.num_processes == 1 or accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         return  # single process, or sharded parameters: each rank holds different shards by design
-    from accelerate.utils import gather_object
-
     fingerprint = torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu().tolist()
     fingerprints = gather_object([fingerprint])
     log.info("parameter fingerprint per rank (sum of all parameters): %s", [sum(f) for f in fingerprints])
@@ -180,8 +178,7 @@ def check_replicas_in_sync(accelerator: Accelerator, model) -> None:
 
 
 def shut_down(accelerator: Accelerator) -> None:
-    """Close trackers and the process group together: gloo can abort a rank whose peer tore down first,
-    and one left alive at exit aborts too ("terminate called without an active exception")."""
+    """Flush the trackers and destroy the process group, all ranks together (see also run_then_release)."""
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -5,6 +5,8 @@ from typing import Iterator, Optional
 
 from accelerate import Accelerator
 
+from src.config import UsageError
+
 
 @dataclass
 class TrainState:
@@ -27,8 +29,6 @@ def is_improvement(metrics: dict[str, float], state: TrainState, monitor: Option
     if monitor is None:
         return False
     if monitor not in metrics:
-        from src.config import UsageError
-
         raise UsageError(f"trainer.monitor={monitor} is not an evaluation metric; choose from {sorted(metrics)}")
     value = metrics[monitor]
     better = state.best_metric is None or (value < state.best_metric if mode == "min" else value > state.best_metric)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import torch
+from omegaconf import OmegaConf
 
 from src.checkpoint import complete_checkpoints, load_checkpointed_model, run_config_for
 from src.export import load_exported_model
@@ -22,14 +23,12 @@ def assert_exported_model_matches_final_checkpoint(run_dir, example_input):
     exported = load_exported_model(run_dir / "model")
     final = complete_checkpoints(run_dir)[-1]
     run_cfg = run_config_for(final)
-    checkpointed = load_checkpointed_model(final, run_cfg, {k: v for k, v in exported_kwargs(run_dir).items()})
+    checkpointed = load_checkpointed_model(final, run_cfg, exported_kwargs(run_dir))
     with torch.no_grad():
         assert torch.equal(exported(example_input), checkpointed(example_input))
 
 
 def exported_kwargs(run_dir):
-    from omegaconf import OmegaConf
-
     cfg = OmegaConf.load(run_dir / "model" / "config.yaml")
     return {k: cfg[k] for k in ("vocab_size", "num_classes") if k in cfg}
 
