@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-import src.config  # noqa: F401  (registers the config schema the run's data config refers to)
+import src.config  # noqa: F401  (registers the resolvers a run's config may use)
 from src.checkpoint import load_checkpointed_model, run_config_for
 from src.evaluation import evaluate
 from src.export import load_exported_model
@@ -32,15 +32,16 @@ def main(cfg: DictConfig) -> None:
     check_process_count(accelerator)
     use_cpu_threads(accelerator, None)
 
-    data = instantiate(OmegaConf.merge(run_cfg.data, cfg.data))
+    data = instantiate(OmegaConf.merge(run_cfg.data, cfg.data), _convert_="all")
+    objective = instantiate(run_cfg.objective, _convert_="all")
     if (source / "model.safetensors").is_file() and (source / "config.yaml").is_file():
         model = load_exported_model(source)
     else:
-        model = load_checkpointed_model(source, run_cfg, data.model_kwargs)
+        model = load_checkpointed_model(source, run_cfg)  # the run's config holds the data-derived sizes
     model = accelerator.prepare_model(model, evaluation_mode=True)
     val_loader = accelerator.prepare_data_loader(data.val_dataloader())
 
-    metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator).items()}
+    metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, objective).items()}
     if accelerator.is_main_process:
         output = Path(cfg.output) if cfg.output else source / "eval_metrics.json"
         report = {"path": str(source), "num_processes": accelerator.num_processes, **metrics}

@@ -20,7 +20,7 @@ import shutil
 import time
 import zipfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator
@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_model
 
-from src.config import TrainConfig, UsageError
+from src.schema import UsageError, data_sizes_unresolved
 from src.train_state import TrainState
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ SAFE_ON_RESUME = {
     "resume", "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.checkpoint_every",
     "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads", "data.num_workers",
 }
+DATA_SIZE_PLACEHOLDER = "${dataset:"
 
 
 def step_dir_name(step: int) -> str:
@@ -100,6 +101,8 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     refused, changed = [], []
     for leaf in sorted(new_leaves.keys() | old_leaves.keys()):
         new, old = new_leaves.get(leaf), old_leaves.get(leaf)
+        if isinstance(new, str) and new.startswith(DATA_SIZE_PLACEHOLDER):
+            continue  # derived from the data; the checkpoint's model has the value it was built with
         if new == old or not any(_under(leaf, scope) for scope in scopes):
             continue
         if leaf in SAFE_ON_RESUME:
@@ -115,8 +118,7 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
         )
     for line in changed:
         log.warning("resume: override accepted: %s", line)
-    # The saved config is plain (resolved) YAML: put the schema back so enums and types are as in a fresh run.
-    return OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
+    return saved
 
 
 def _leaves(cfg: DictConfig) -> dict:
@@ -127,7 +129,8 @@ def _leaves(cfg: DictConfig) -> dict:
             out.update(walk(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
         return out
 
-    return walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
+    with data_sizes_unresolved():
+        return walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
 
 
 def _under(leaf: str, scope: str) -> bool:
@@ -138,13 +141,42 @@ def _under(leaf: str, scope: str) -> bool:
 
 
 class Checkpointer:
-    """Atomic, rotated `accelerator.save_state` checkpoints plus the best one, kept apart from rotation."""
+    """Owns the checkpoint lifecycle: the loop reports what happened after each optimizer step, and this
+    decides what to save. Atomic, rotated `accelerator.save_state` checkpoints: periodic ones, the best one
+    by `trainer.monitor` (kept apart from rotation, with its model exported), one when a stop is agreed
+    (preemption), and the final one."""
 
-    def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig):
+    def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig, export: Callable[[Path], None]):
         self.accelerator = accelerator
-        self.root = run_dir / "checkpoints"
+        self.run_dir, self.root = run_dir, run_dir / "checkpoints"
         self.cfg = cfg
-        self.keep_last = cfg.trainer.keep_last_checkpoints
+        self.export = export  # writes the current model to a directory (all ranks call it)
+        trainer = cfg.trainer
+        self.keep_last, self.every, self.max_steps = trainer.keep_last_checkpoints, trainer.checkpoint_every, trainer.max_steps
+        self.monitor, self.mode = trainer.monitor, trainer.monitor_mode
+
+    def step_finished(self, state: TrainState, metrics: Optional[dict[str, float]] = None,
+                      stopping: bool = False) -> None:
+        """Every rank calls this after every optimizer step, with the step's evaluation metrics if any."""
+        if metrics is not None and self._improved(metrics, state):
+            self.save(state)
+            self.export(self.run_dir / "model_best")
+        periodic = self.every and state.step % self.every == 0
+        if periodic or stopping or state.step >= self.max_steps:
+            self.save(state)
+
+    def _improved(self, metrics: dict[str, float], state: TrainState) -> bool:
+        """Whether `metrics` beat the best monitored value so far; if so, `state` records it."""
+        if self.monitor is None:
+            return False
+        value = metrics[self.monitor]
+        if value != value:  # NaN is never an improvement
+            return False
+        best = state.best_metric
+        if best is None or (value < best if self.mode == "min" else value > best):
+            state.best_metric, state.best_step = value, state.step
+            return True
+        return False
 
     def save(self, state: TrainState) -> Path:
         """Every rank must call this (save_state has each rank write its RNG state)."""
@@ -175,7 +207,7 @@ class Checkpointer:
     def _rotate(self, state: TrainState) -> None:
         """Delete the oldest complete checkpoints beyond keep_last; the best one is kept apart."""
         keep = {step_dir_name(state.best_step)} if state.best_step is not None else set()
-        rotating = [p for p in complete_checkpoints(self.root.parent) if p.name not in keep]
+        rotating = [p for p in complete_checkpoints(self.run_dir) if p.name not in keep]
         for old in rotating[: max(0, len(rotating) - self.keep_last)]:
             shutil.rmtree(old)
             log.info("removed old checkpoint %s", old)
@@ -244,8 +276,9 @@ def run_config_for(path: Path) -> DictConfig:
                      f"{RUN_CONFIG} in its run dir)")
 
 
-def load_checkpointed_model(checkpoint: Path, run_cfg: DictConfig, model_kwargs: dict) -> torch.nn.Module:
+def load_checkpointed_model(checkpoint: Path, run_cfg: DictConfig) -> torch.nn.Module:
+    """The model of a checkpoint, rebuilt from its run's config alone (data-derived sizes are saved resolved)."""
     check_readable(checkpoint)
-    model = instantiate(run_cfg.model, **model_kwargs)
+    model = instantiate(run_cfg.model, _convert_="all")
     load_model(model, checkpoint / "model.safetensors", strict=True)
     return model.eval()

@@ -1,27 +1,34 @@
 """Evaluation whose metrics are exact across processes: every validation sample counted exactly once."""
 
+from collections import defaultdict
+
 import torch
 from accelerate import Accelerator
 
-from src.objective import per_sample_loss_and_accuracy
+from src.batches import call_model, split_batch
+from src.objectives import Objective
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator) -> dict[str, float]:
-    """Mean loss and accuracy over the whole validation set, and how many samples that was.
+def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, objective: Objective) -> dict[str, float]:
+    """Each metric the objective reports, averaged over the whole validation set with its own weights (samples
+    or tokens), and how many samples that was.
 
-    Per-sample values go through `gather_for_metrics`, which drops the samples accelerate duplicated to
-    even out the last batch across ranks (a per-batch mean would silently keep one rank's value there).
+    Per-sample sums and weights go through `gather_for_metrics`, which drops the samples accelerate duplicated
+    to even out the last batch across ranks (a per-batch mean would silently keep one rank's value there).
     """
     was_training = model.training
     model.eval()
     # Summed in float64 on the CPU: exact enough that 1 and N processes agree to ~1e-12, and MPS has no float64.
-    loss_sum, correct_sum, count = 0.0, 0.0, 0
-    for inputs, targets in loader:
-        loss, accuracy = per_sample_loss_and_accuracy(model(inputs), targets)
-        loss, accuracy = accelerator.gather_for_metrics((loss, accuracy))
-        loss_sum += loss.cpu().double().sum().item()
-        correct_sum += accuracy.cpu().double().sum().item()
-        count += len(loss)
+    sums, weights, samples = defaultdict(float), defaultdict(float), 0
+    for batch in loader:
+        inputs, targets = split_batch(batch, objective.target_key)
+        per_sample = accelerator.gather_for_metrics(objective.metrics(call_model(model, inputs), targets))
+        for name, (values, weight) in per_sample.items():
+            sums[name] += values.cpu().double().sum().item()
+            weights[name] += weight.cpu().double().sum().item()
+        samples += len(next(iter(per_sample.values()))[0])
     model.train(was_training)
-    return {"loss": loss_sum / count, "accuracy": correct_sum / count, "samples": count}
+    # A metric with nothing to average over (e.g. every target ignored) is NaN, not a flattering 0.
+    return {**{name: sums[name] / weights[name] if weights[name] else float("nan") for name in sums},
+            "samples": samples}

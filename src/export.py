@@ -1,12 +1,12 @@
 """The trained model as plain files, loadable without accelerate, Hydra's run or this repo's trainer.
 
 <dir>/model.safetensors  weights (tied weights stored once)
-<dir>/config.yaml        the model config with `_target_`, including what the data decided (vocab_size, ...)
+<dir>/config.yaml        the model config with `_target_`, data-derived sizes resolved: load_exported_model
+<dir>/config.json        transformers models only (save_pretrained): AutoModelForCausalLM.from_pretrained(<dir>)
 """
 
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 from hydra.utils import instantiate
@@ -14,13 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_model
 
 
-def model_config(model_cfg: DictConfig, model_kwargs: dict[str, Any]) -> DictConfig:
-    """The config that rebuilds this exact architecture on its own."""
-    return OmegaConf.merge(OmegaConf.to_container(model_cfg, resolve=True), model_kwargs)
-
-
 def export_model(accelerator, model: torch.nn.Module, config: DictConfig, directory: Path) -> None:
-    """Main process only writes; every process must call it (unwrapping may gather sharded weights).
+    """Main process only writes; every process must call it (gathering the state dict may be collective).
 
     Written beside the target and swapped in, so a kill mid-export leaves the previous export intact.
     """
@@ -31,10 +26,16 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
     # save_model runs os.makedirs on every rank: it must find the directory there, and be done with it
     # before rank 0 renames it, or another rank re-creates it.
     accelerator.wait_for_everyone()
-    accelerator.save_model(model, tmp, safe_serialization=True)
+    unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if hasattr(unwrapped, "save_pretrained"):  # a transformers model: also a Hugging Face folder
+        state_dict = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            unwrapped.save_pretrained(tmp, state_dict=state_dict)  # safetensors
+    else:
+        accelerator.save_model(model, tmp, safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        OmegaConf.save(config, tmp / "config.yaml")
+        OmegaConf.save(config, tmp / "config.yaml", resolve=True)
         shutil.rmtree(old, ignore_errors=True)
         if directory.exists():
             directory.rename(old)
@@ -48,6 +49,6 @@ def load_exported_model(directory: str | Path, device: str | torch.device = "cpu
     for name in ("config.yaml", "model.safetensors"):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory / name} is missing: not an exported model directory")
-    model = instantiate(OmegaConf.load(directory / "config.yaml"))
+    model = instantiate(OmegaConf.load(directory / "config.yaml"), _convert_="all")
     load_model(model, directory / "model.safetensors", strict=True, device=str(device))
     return model.to(device).eval()

@@ -4,21 +4,24 @@ Training on fewer processes than the user asked for must never be silent: N inde
 run writing the same directory is the failure this module exists to prevent.
 """
 
+import argparse
+import functools
 import gc
 import logging
 import os
-import re
 import sys
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch
+import yaml
 from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, broadcast_object_list, gather_object
 from omegaconf import DictConfig
 
-from src.config import UsageError
+from src.schema import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -34,25 +37,108 @@ class LaunchError(UsageError):
     pass
 
 
+
 def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def processes_requested_by_parent() -> int:
-    """N from a parent `accelerate launch --num_processes N` (it exports nothing that says N was asked)."""
+# --- what the launcher was asked for --------------------------------------------------------------------
+
+
+@functools.cache
+def parent_launch_args() -> Optional[argparse.Namespace]:
+    """The arguments of the `accelerate launch` that started this process, parsed by accelerate's own parser,
+    or None when something else started it. (The launcher exports no variable for most of what it was asked:
+    e.g. `--num_processes N` without CUDA starts one process, and `--gradient_accumulation_steps` reaches the
+    script only under DeepSpeed.)"""
     try:
         argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:  # not Linux, or no /proc
-        return 1
-    # `accelerate launch ...` or `python -m accelerate.commands.launch ...`
-    if not any(a.endswith("accelerate") or a == "accelerate.commands.launch" for a in argv[:3]):
-        return 1
-    for i, arg in enumerate(argv):
-        match = re.fullmatch(r"--num[_-]processes(?:=(\d+))?", arg)
-        if match:
-            value = match.group(1) or (argv[i + 1] if i + 1 < len(argv) else "1")
-            return int(value) if value.isdigit() else 1
-    return 1
+        return None
+    # `accelerate launch ARGS` or `python -m accelerate.commands.launch ARGS`
+    starts = [i for i, a in enumerate(argv[:4]) if a == "accelerate.commands.launch"
+              or (a == "launch" and i > 0 and argv[i - 1].endswith("accelerate"))]
+    if not starts:
+        return None
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        return launch_command_parser().parse_args([a for a in argv[starts[0] + 1:] if a != ""])
+    except SystemExit:  # not parseable after all: treat as unknown
+        return None
+
+
+def launcher_config_file(args: argparse.Namespace) -> tuple[Optional[str], dict]:
+    """The config file the launcher read (`--config_file`, else the `accelerate config` default) and its
+    contents, as accelerate itself chooses it."""
+    from accelerate.commands.config.config_args import default_config_file
+
+    path = args.config_file or (default_config_file if os.path.isfile(default_config_file) and not args.cpu else None)
+    if path is None or not os.path.isfile(path):
+        return None, {}
+    with open(path, encoding="utf-8") as f:
+        return path, yaml.safe_load(f) or {}
+
+
+@dataclass
+class Setting:
+    value: Any
+    source: str  # where the value came from, for the banner: config, launcher, environment or default
+
+
+@dataclass
+class LaunchSettings:
+    mixed_precision: Setting
+    gradient_accumulation_steps: Setting
+    requested_processes: Setting
+
+
+def launch_settings(trainer: DictConfig) -> LaunchSettings:
+    """The effective precision and accumulation, each from the config if it sets one, else from the launcher
+    (`accelerate launch --mixed_precision`, the `accelerate config` file, `--config_file`), else the default.
+    A config value that contradicts an explicit launcher value is refused, naming both."""
+    args = parent_launch_args()
+    path, file = launcher_config_file(args) if args else (None, {})
+    in_file = f"the launcher's config file {path}"
+    if args is not None:
+        launcher_precision = (Setting(args.mixed_precision, "launcher: --mixed_precision") if args.mixed_precision
+                              else Setting(file["mixed_precision"], f"launcher: {in_file}")
+                              if file.get("mixed_precision") is not None else None)
+        file_accumulation = (file.get("deepspeed_config") or {}).get("gradient_accumulation_steps")
+        launcher_accumulation = (
+            Setting(args.gradient_accumulation_steps, "launcher: --gradient_accumulation_steps")
+            if args.gradient_accumulation_steps else Setting(file_accumulation, f"launcher: {in_file}")
+            if file_accumulation is not None else None)
+        requested = (Setting(args.num_processes, "launcher: --num_processes") if args.num_processes
+                     else Setting(file.get("num_processes") or 1, f"launcher: {in_file}"))
+    else:  # python / torchrun: the variables accelerate's launcher would have set, if the user set them
+        env_precision, env_accumulation = (os.environ.get(f"ACCELERATE_{k}") for k in
+                                           ("MIXED_PRECISION", "GRADIENT_ACCUMULATION_STEPS"))
+        launcher_precision = Setting(env_precision, "environment: ACCELERATE_MIXED_PRECISION") if env_precision else None
+        launcher_accumulation = (Setting(int(env_accumulation), "environment: ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+                                 if env_accumulation else None)
+        requested = Setting(1, "default")
+    settings = LaunchSettings(
+        mixed_precision=_decide("trainer.mixed_precision", trainer.mixed_precision, launcher_precision, "no"),
+        gradient_accumulation_steps=_decide("trainer.gradient_accumulation_steps",
+                                            trainer.gradient_accumulation_steps, launcher_accumulation, 1),
+        requested_processes=requested,
+    )
+    if settings.mixed_precision.value == "fp16" and not torch.cuda.is_available():
+        raise UsageError(f"mixed precision fp16 ({settings.mixed_precision.source}) needs a CUDA GPU: on CPU "
+                         "accelerate would silently train in fp32. Use bf16 or no.")
+    return settings
+
+
+def _decide(key: str, configured: Any, launcher: Optional[Setting], default: Any) -> Setting:
+    if configured is not None and launcher is not None and str(configured) != str(launcher.value):
+        raise UsageError(
+            f"{key}={configured} (config) contradicts {launcher.value} ({launcher.source}). Keep one: "
+            f"pass {key}=null to use the launcher's value, or launch with the value the config asks for."
+        )
+    if configured is not None:
+        return Setting(configured, f"config: {key}")
+    return launcher if launcher is not None else Setting(default, "default")
 
 
 def needs_cpu_flag() -> bool:
@@ -61,12 +147,13 @@ def needs_cpu_flag() -> bool:
     return not torch.cuda.is_available() and launched_world_size() > 1
 
 
-def build_accelerator(trainer: DictConfig, run_dir: Path) -> Accelerator:
+def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Path) -> Accelerator:
     accelerator = Accelerator(
         cpu=needs_cpu_flag(),
-        mixed_precision=trainer.mixed_precision.value,
+        # Explicit values win over the launcher's ACCELERATE_* variables: launch_settings has merged the two.
+        mixed_precision=settings.mixed_precision.value,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=trainer.gradient_accumulation_steps,
+            num_steps=settings.gradient_accumulation_steps.value,
             # Accumulation windows run across epoch ends, so every optimizer step averages exactly
             # gradient_accumulation_steps full micro-batches (no under-weighted tail window).
             sync_with_dataloader=False,
@@ -82,7 +169,7 @@ def build_accelerator(trainer: DictConfig, run_dir: Path) -> Accelerator:
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=trainer.dist_timeout_s))],
     )
     quiet_other_ranks(accelerator)
-    check_process_count(accelerator)
+    check_process_count(accelerator, settings.requested_processes)
     check_same_run_dir(accelerator, run_dir)
     use_cpu_threads(accelerator, trainer.cpu_threads)
     return accelerator
@@ -106,7 +193,7 @@ def use_cpu_threads(accelerator: Accelerator, threads: int | None) -> None:
     torch.set_num_threads(threads or max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def check_process_count(accelerator: Accelerator) -> None:
+def check_process_count(accelerator: Accelerator, requested: Optional[Setting] = None) -> None:
     world_size = launched_world_size()
     if world_size > 1 and accelerator.num_processes == 1:
         raise LaunchError(
@@ -114,14 +201,25 @@ def check_process_count(accelerator: Accelerator) -> None:
             f"no process group ({accelerator.distributed_type}), so each would train alone and overwrite the "
             f"others' files. Launch with: {cpu_ddp_hint(world_size)}"
         )
-    requested = processes_requested_by_parent()
-    if world_size == 1 and requested > 1:
+    requested = requested or launch_settings_requested()
+    if world_size == 1 and requested.value > 1:
         banner = "!" * 100
         log.warning(
-            f"\n{banner}\n`accelerate launch --num_processes {requested}` started ONE process: without CUDA "
-            f"accelerate's launcher needs --multi_gpu or a MULTI_GPU config to start workers.\n"
-            f"Training continues on 1 process. For {requested} processes use:\n  {cpu_ddp_hint(requested)}\n{banner}"
+            f"\n{banner}\nThe launcher was asked for {requested.value} processes ({requested.source}) but started "
+            f"ONE: without CUDA, accelerate's launcher starts workers only with --multi_gpu or a MULTI_GPU config "
+            f"(a MULTI_CPU config runs one process).\nTraining continues on 1 process. For {requested.value} "
+            f"processes use:\n  {cpu_ddp_hint(requested.value)}\n{banner}"
         )
+
+
+def launch_settings_requested() -> Setting:
+    args = parent_launch_args()
+    if args is None:
+        return Setting(1, "default")
+    if args.num_processes:
+        return Setting(args.num_processes, "launcher: --num_processes")
+    path, file = launcher_config_file(args)
+    return Setting(file.get("num_processes") or 1, f"launcher: the config file {path}")
 
 
 def check_same_run_dir(accelerator: Accelerator, run_dir: Path) -> None:
@@ -136,9 +234,9 @@ def check_same_run_dir(accelerator: Accelerator, run_dir: Path) -> None:
         )
 
 
-def describe_launch(accelerator: Accelerator, cfg: DictConfig, run_dir: Path) -> str:
-    per_process = cfg.data.batch_size
-    accumulation = cfg.trainer.gradient_accumulation_steps
+def describe_launch(accelerator: Accelerator, cfg: DictConfig, settings: LaunchSettings, run_dir: Path) -> str:
+    per_process = cfg.data.get("batch_size", "?")
+    accumulation = settings.gradient_accumulation_steps.value
     rows = {
         "run dir": run_dir,
         "processes": f"{accelerator.num_processes} ({accelerator.num_processes // max(1, _nodes())} per node, "
@@ -146,12 +244,16 @@ def describe_launch(accelerator: Accelerator, cfg: DictConfig, run_dir: Path) ->
         "distributed type": accelerator.distributed_type,
         "device": f"{accelerator.device} ({torch.get_num_threads()} CPU threads per process)"
         if accelerator.device.type == "cpu" else accelerator.device,
-        "mixed precision": accelerator.mixed_precision,
-        "gradient accumulation steps": accumulation,
+        "mixed precision": f"{accelerator.mixed_precision} ({settings.mixed_precision.source})",
+        "gradient accumulation steps": f"{accumulation} ({settings.gradient_accumulation_steps.source})",
         "batch size per process": per_process,
         "global batch size": f"{per_process * accelerator.num_processes * accumulation} "
-        f"(= {per_process} per process x {accelerator.num_processes} processes x {accumulation} micro-steps)",
+        f"(= {per_process} per process x {accelerator.num_processes} processes x {accumulation} micro-steps)"
+        if isinstance(per_process, int) else "?",
         "optimizer steps": cfg.trainer.max_steps,
+        "model": cfg.model._target_,
+        "data": cfg.data._target_,
+        "objective": cfg.objective._target_,
         "command": " ".join(sys.argv),
     }
     width = max(map(len, rows))

@@ -1,6 +1,12 @@
-"""Optimizer parameter groups."""
+"""Optimizers, each a function whose signature holds this template's defaults and ranges (torch's own
+classes work as `_target_` too; these exist so that our defaults are written once, beside the code)."""
 
+from typing import Annotated, Optional
+
+import torch
 from torch import nn
+
+from src.schema import Arg
 
 
 def param_groups(model: nn.Module) -> list[dict]:
@@ -13,3 +19,24 @@ def param_groups(model: nn.Module) -> list[dict]:
         {"params": [p for p in params if p.dim() >= 2]},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+
+
+def adamw(
+    params,
+    lr: Annotated[float, Arg("peak learning rate", gt=0)] = 1e-3,
+    betas: Annotated[tuple[float, float], Arg("Adam's moment decay rates")] = (0.9, 0.99),
+    weight_decay: Annotated[float, Arg("decoupled weight decay on matrices (not biases/norms)", ge=0)] = 0.1,
+    eps: Annotated[float, Arg("Adam epsilon", gt=0)] = 1e-8,
+    fused: Annotated[Optional[bool], Arg("fused CUDA kernel (null: PyTorch decides)")] = None,
+) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps, fused=fused)
+
+
+def sgd(
+    params,
+    lr: Annotated[float, Arg("peak learning rate", gt=0)] = 0.1,
+    momentum: Annotated[float, Arg("momentum", ge=0, lt=1)] = 0.9,
+    nesterov: Annotated[bool, Arg("Nesterov momentum")] = True,
+    weight_decay: Annotated[float, Arg("L2 penalty on matrices (not biases/norms)", ge=0)] = 5e-4,
+) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)

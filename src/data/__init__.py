@@ -1,1 +1,1 @@
-"""Datasets. Add yours as a DataModule subclass here and give it a config under config/data/."""
+"""Datasets: one DataModule subclass per file (see base.py), each with a config/data/NAME.yaml naming it."""

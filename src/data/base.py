@@ -1,34 +1,65 @@
-"""What every dataset config builds: train/val datasets, their loaders, and what the model must know."""
+"""What every dataset option builds: train/val datasets, their loaders, and the sizes a model may need.
 
-from typing import Any
+A new dataset is one file: a DataModule subclass whose __init__ signature is its config schema (defaults,
+types and ranges in one place, see src/schema.py), plus `config/data/NAME.yaml` with its `_target_`.
+"""
+
+import inspect
+from typing import Annotated, Callable, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from src.schema import Arg, UsageError
+
+
+def model_size(method: Callable) -> property:
+    """Marks a property as a size the model config may reference as `${dataset:NAME}` (vocab_size, ...)."""
+    method.is_model_size = True
+    return property(method)
+
 
 class DataModule:
-    """Subclasses set `train`, `val` and `model_kwargs` (e.g. vocab_size, num_classes) in __init__.
+    """Subclasses set `train` and `val` in __init__, and declare the sizes they know with @model_size.
 
     `batch_size` is per process and per micro-step: the global batch of one optimizer step is
-    batch_size * num_processes * gradient_accumulation_steps.
+    batch_size * num_processes * gradient_accumulation_steps. A sample is a tuple (inputs, target) or a
+    mapping (input_ids, attention_mask, labels, ...); `collate_fn` batches them if the default cannot.
     """
 
     train: Dataset
     val: Dataset
-    model_kwargs: dict[str, Any]
+    collate_fn: Optional[Callable] = None
+    # True when the targets are the inputs themselves (Hugging Face's `labels = input_ids`), to be shifted by
+    # the objective: an objective that does not shift would train the model to copy its input.
+    targets_are_inputs: bool = False
 
-    def __init__(self, batch_size: int, num_workers: int = 0):
+    def __init__(
+        self,
+        batch_size: Annotated[int, Arg("samples per process per micro-step", ge=1)] = 32,
+        num_workers: Annotated[int, Arg("DataLoader worker processes per training process", ge=0)] = 0,
+    ):
         self.batch_size = batch_size
         self.num_workers = num_workers
+
+    @classmethod
+    def provides(cls) -> list[str]:
+        """The sizes this dataset knows once built (checked against the model config before it is built)."""
+        return [name for name, member in inspect.getmembers(cls)
+                if isinstance(member, property) and getattr(member.fget, "is_model_size", False)]
+
+    def sizes(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.provides()}
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
             shuffle=train,
-            # Full micro-batches only, so every optimizer step averages the same number of samples.
+            # Full micro-batches only, so every optimizer step sees the same number of samples.
             drop_last=train,
             num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
             pin_memory=torch.cuda.is_available(),
             # Training workers restart each epoch so that they see the dataset's set_epoch (augmentation seeds).
             persistent_workers=self.num_workers > 0 and not train,
@@ -40,7 +71,7 @@ class DataModule:
 
     def train_dataloader(self) -> DataLoader:
         if len(self.train) < self.batch_size:
-            raise ValueError(
+            raise UsageError(
                 f"data.batch_size={self.batch_size} is larger than the training set ({len(self.train)} samples)"
             )
         return self._loader(self.train, train=True)

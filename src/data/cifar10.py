@@ -1,12 +1,14 @@
 """CIFAR-10 from its binary distribution: records of 1 label byte + 3072 pixel bytes (R, G, B planes, 32x32)."""
 
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.data.base import DataModule
+from src.data.base import DataModule, model_size
+from src.schema import Arg
 
 RECORD_BYTES = 1 + 3 * 32 * 32
 # Per-channel statistics of the real CIFAR-10 training set.
@@ -52,7 +54,13 @@ class CifarImages(Dataset):
 class Cifar10Data(DataModule):
     """Trains on every `data_batch_*.bin` under `root`, validates on `test_batch.bin`."""
 
-    def __init__(self, root: str, augment: bool = True, num_classes: int = 10, seed: int = 0, **loader):
+    def __init__(
+        self,
+        root: Annotated[str, Arg("directory with data_batch_*.bin and test_batch.bin")] = "data/cifar-10-batches-bin",
+        augment: Annotated[bool, Arg("random crop + flip on training images")] = True,
+        seed: Annotated[int, Arg("seed of the augmentation (with epoch and sample index)", ge=0)] = 0,
+        **loader,
+    ):
         super().__init__(**loader)
         root_dir = Path(root).expanduser()
         train_files = sorted(root_dir.glob("data_batch_*.bin"))
@@ -63,4 +71,7 @@ class Cifar10Data(DataModule):
             )
         self.train = CifarImages(*read_records(train_files), augment=augment, seed=seed)
         self.val = CifarImages(*read_records([root_dir / "test_batch.bin"]), augment=False)
-        self.model_kwargs = {"num_classes": num_classes}
+
+    @model_size
+    def num_classes(self) -> int:
+        return 10

@@ -1,12 +1,14 @@
 """Language-model data: a UTF-8 text file (character or byte level) or a pre-tokenized uint16 .bin file."""
 
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.data.base import DataModule
+from src.data.base import DataModule, model_size
+from src.schema import Arg
 
 
 class TokenWindows(Dataset):
@@ -44,23 +46,42 @@ def _existing_file(path: str, key: str) -> Path:
     return file
 
 
-class TextData(DataModule):
+class TokenStream(DataModule):
+    """What both language-model datasets share: a token stream cut into windows, its tail validating."""
+
+    def __init__(
+        self,
+        block_size: Annotated[int, Arg("tokens per sample", ge=1)],
+        val_fraction: Annotated[float, Arg("tail of the file used for validation", gt=0, lt=1)] = 0.1,
+        **loader,
+    ):
+        super().__init__(**loader)
+        self.block_size, self.val_fraction = block_size, val_fraction
+
+
+class TextData(TokenStream):
     """Character level: the vocabulary is the sorted set of characters in the file. Byte level: 256 ids."""
 
-    def __init__(self, path: str, block_size: int, level: str = "char", val_fraction: float = 0.1, **loader):
-        super().__init__(**loader)
+    def __init__(
+        self,
+        path: Annotated[str, Arg("UTF-8 text file")],
+        level: Annotated[Literal["char", "byte"], Arg("tokens are characters (vocab from the file) or bytes")] = "char",
+        **stream,
+    ):
+        super().__init__(**stream)
         raw = _existing_file(path, "data.path").read_bytes()
         if level == "byte":
             tokens, self.vocab = np.frombuffer(raw, dtype=np.uint8), None
-            vocab_size = 256
         else:
             text = raw.decode("utf-8")
             self.vocab = sorted(set(text))
             index = {ch: i for i, ch in enumerate(self.vocab)}
             tokens = np.fromiter((index[ch] for ch in text), dtype=np.uint16, count=len(text))
-            vocab_size = len(self.vocab)
-        self.train, self.val = split(tokens, val_fraction, block_size)
-        self.model_kwargs = {"vocab_size": vocab_size}
+        self.train, self.val = split(tokens, self.val_fraction, self.block_size)
+
+    @model_size
+    def vocab_size(self) -> int:
+        return 256 if self.vocab is None else len(self.vocab)
 
     def decode(self, ids: list[int]) -> str:
         if self.vocab is None:
@@ -68,15 +89,24 @@ class TextData(DataModule):
         return "".join(self.vocab[i] for i in ids)
 
 
-class TokenData(DataModule):
+class TokenData(TokenStream):
     """nanoGPT's format: a flat uint16 array of token ids, memory-mapped so it may exceed RAM."""
 
-    def __init__(self, path: str, block_size: int, vocab_size: int, val_fraction: float = 0.1, **loader):
-        super().__init__(**loader)
+    def __init__(
+        self,
+        path: Annotated[str, Arg("flat uint16 token-id file (nanoGPT's .bin format)")],
+        vocab_size: Annotated[int, Arg("number of distinct token ids", ge=1, le=65536)],
+        **stream,
+    ):
+        super().__init__(**stream)
         tokens = np.memmap(_existing_file(path, "data.path"), dtype=np.uint16, mode="r")
         # A cheap sanity check: ids >= vocab_size would index past the embedding (a CUDA assert on GPU).
         head_max = int(tokens[: 1 << 20].max()) if len(tokens) else 0
         if head_max >= vocab_size:
             raise ValueError(f"data.vocab_size={vocab_size} but {path} holds token id {head_max}")
-        self.train, self.val = split(tokens, val_fraction, block_size)
-        self.model_kwargs = {"vocab_size": vocab_size}
+        self._vocab_size = vocab_size
+        self.train, self.val = split(tokens, self.val_fraction, self.block_size)
+
+    @model_size
+    def vocab_size(self) -> int:
+        return self._vocab_size

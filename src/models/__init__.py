@@ -1,1 +1,1 @@
-"""Models. Add yours here and give it a config under config/model/ (plus a schema in src/config.py)."""
+"""Models: any nn.Module (or a function returning one) whose signature is its config; see README "Bring your own"."""

@@ -6,10 +6,13 @@ output projection tied to the token embedding.
 """
 
 import math
+from typing import Annotated, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from src.schema import Arg
 
 
 class CausalSelfAttention(nn.Module):
@@ -62,13 +65,13 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(
         self,
-        vocab_size: int,
-        block_size: int = 64,
-        n_layer: int = 4,
-        n_head: int = 4,
-        n_embd: int = 128,
-        dropout: float = 0.0,
-        bias: bool = False,
+        vocab_size: Annotated[int, Arg("distinct token ids (config/model/gpt.yaml takes it from the data)", ge=1)],
+        block_size: Annotated[int, Arg("context length in tokens", ge=1)] = 64,
+        n_layer: Annotated[int, Arg("transformer blocks", ge=1)] = 4,
+        n_head: Annotated[int, Arg("attention heads (must divide n_embd)", ge=1)] = 4,
+        n_embd: Annotated[int, Arg("embedding width", ge=1)] = 128,
+        dropout: Annotated[float, Arg("dropout probability", ge=0, lt=1)] = 0.0,
+        bias: Annotated[bool, Arg("biases in Linear and LayerNorm layers")] = False,
     ):
         super().__init__()
         self.block_size = block_size
@@ -94,9 +97,13 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> next-token logits (B, T, vocab_size)."""
-        T = idx.shape[1]
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Token ids (B, T) -> next-token logits (B, T, vocab_size).
+
+        `attention_mask` is accepted so that Hugging Face-style batches fit, and needs no use: with causal
+        attention and padding on the right (as src/data/jsonl.py pads), no real token attends to a pad.
+        """
+        idx, T = input_ids, input_ids.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size {self.block_size}")
         pos = torch.arange(T, device=idx.device)

@@ -1,8 +1,12 @@
 """A small ResNet for 32x32 images (CIFAR-style: 3 stages of basic blocks, BatchNorm, no max-pool)."""
 
+from typing import Annotated
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from src.schema import Arg
 
 
 class BasicBlock(nn.Module):
@@ -25,7 +29,13 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, num_classes: int, width: int = 16, blocks_per_stage: int = 2, in_channels: int = 3):
+    def __init__(
+        self,
+        num_classes: Annotated[int, Arg("labels (config/model/resnet.yaml takes it from the data)", ge=2)],
+        width: Annotated[int, Arg("channels of the first stage (doubled per stage)", ge=1)] = 16,
+        blocks_per_stage: Annotated[int, Arg("basic blocks in each of the 3 stages", ge=1)] = 2,
+        in_channels: Annotated[int, Arg("image channels", ge=1)] = 3,
+    ):
         super().__init__()
         self.stem = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
