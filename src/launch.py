@@ -99,7 +99,7 @@ def launch_settings(trainer: DictConfig) -> LaunchSettings:
     A config value that contradicts an explicit launcher value is refused, naming both."""
     args = parent_launch_args()
     path, file = launcher_config_file(args) if args else (None, {})
-    in_file = f"the launcher's config file {path}"
+    in_file = f"config file {path}"
     if args is not None:
         launcher_precision = (Setting(args.mixed_precision, "launcher: --mixed_precision") if args.mixed_precision
                               else Setting(file["mixed_precision"], f"launcher: {in_file}")
@@ -219,7 +219,7 @@ def launch_settings_requested() -> Setting:
     if args.num_processes:
         return Setting(args.num_processes, "launcher: --num_processes")
     path, file = launcher_config_file(args)
-    return Setting(file.get("num_processes") or 1, f"launcher: the config file {path}")
+    return Setting(file.get("num_processes") or 1, f"launcher: config file {path}")
 
 
 def check_same_run_dir(accelerator: Accelerator, run_dir: Path) -> None:

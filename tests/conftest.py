@@ -4,12 +4,15 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
+# accelerate's launcher reads $HF_HOME/accelerate/default_config.yaml: the tests must not see the machine's own.
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf_home_")
 # A GPT small enough that a CPU test run takes seconds; dropout off so runs are comparable.
 TINY_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.dropout=0.0"]
 QUIET = ["trainer.log_every=1", "trainer.eval_every=0"]
@@ -31,7 +34,7 @@ def launch_command(script: str, nproc: int, launcher: str = "accelerate") -> lis
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_port", str(free_port()), script]
     return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--num_machines", "1", "--dynamo_backend", "no",
             "--main_process_port", str(free_port()), script]
 
 

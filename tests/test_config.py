@@ -1,17 +1,20 @@
-"""The configuration is the user's interface: every option composes, and mistakes stop before any run."""
+"""The configuration is the user's interface: every option composes, defaults live in one place, and mistakes
+stop before any run directory exists."""
 
-from pathlib import Path
+import inspect
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-import src.config  # noqa: F401  (registers the schema)
-from src.config import config_errors
+import src.config  # noqa: F401  (registers the base config and resolvers)
+from src.config import TrainerConfig, complete_config
+from src.schema import ConfigError, build, locate, schema_of
 from tests.conftest import ROOT, run
 
 CONFIG_DIR = ROOT / "config"
+GROUPS = ("model", "data", "objective", "optimizer", "scheduler")
 
 
 def options(group: str) -> list[str]:
@@ -20,69 +23,149 @@ def options(group: str) -> list[str]:
 
 def compose_train(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=overrides)
+        return compose(config_name="train", overrides=overrides, return_hydra_config=True)
 
 
-# Models and datasets come in matching pairs (a GPT reads tokens, a ResNet reads images).
+# Options that need a partner or a value to make a working run.
 PARTNERS = {
     "data=tokens": ["data.path=x.bin", "data.vocab_size=256"],
     "model=resnet": ["data=cifar10"],
     "data=cifar10": ["model=resnet"],
+    "data=jsonl": ["objective=causal_lm"],
     "experiment=owt_tokens": ["data.path=train.bin"],
 }
 
 
 @pytest.mark.parametrize(
     "override",
-    [f"{group}={name}" for group in ("model", "data", "optimizer", "scheduler", "trainer") for name in options(group)]
+    [f"{group}={name}" for group in (*GROUPS, "trainer") for name in options(group)]
     + [f"experiment={name}" for name in options("experiment")],
 )
-def test_every_config_option_composes_and_resolves_within_range(override):
-    cfg = compose_train([override] + PARTNERS.get(override, []))
-    assert OmegaConf.to_container(cfg, resolve=True)
-    assert config_errors(cfg) == []
+def test_every_config_option_composes_completes_and_passes_its_checks(override):
+    cfg = complete_config(compose_train([override] + PARTNERS.get(override, [])))
+    assert cfg.trainer.max_steps >= 1 and cfg.model._target_ and cfg.objective._target_
 
 
-def test_optimizer_and_scheduler_options_build_from_partial_targets():
+def test_optimizer_and_scheduler_options_build_with_what_train_py_passes():
     import torch
 
     params = [torch.nn.Parameter(torch.zeros(2, 2))]
     for opt_name in options("optimizer"):
         for sched_name in options("scheduler"):
-            cfg = compose_train([f"optimizer={opt_name}", f"scheduler={sched_name}"])
-            optimizer = instantiate(cfg.optimizer)(params)
-            scheduler = instantiate(cfg.scheduler)(optimizer)
+            cfg = complete_config(compose_train([f"optimizer={opt_name}", f"scheduler={sched_name}"]))
+            optimizer = build(cfg.optimizer, params, group="optimizer")
+            scheduler = build(cfg.scheduler, optimizer, group="scheduler")
             optimizer.step()
             scheduler.step()
 
 
-def test_accelerate_launch_configs_cover_cpu_ddp_gpus_multi_node_and_fsdp():
-    types = {p.stem: OmegaConf.load(p).distributed_type for p in (CONFIG_DIR / "accelerate").glob("*.yaml")}
-    assert types["cpu_ddp"] == "MULTI_GPU"  # what makes the launcher start N workers without CUDA
-    assert {"single_gpu", "multi_gpu", "multi_node", "fsdp"} <= types.keys()
-    assert types["fsdp"] == "FSDP"
+def test_no_option_file_restates_a_default_of_its_target():
+    """One home per default: an option YAML states only its _target_, wiring (interpolations) and values its
+    target has no default for. A trainer preset states only values that differ from TrainerConfig's."""
+    restated = []
+    for group in GROUPS:
+        for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
+            node = yaml.safe_load(path.read_text())
+            params = schema_of(node["_target_"]).params
+            for key, value in node.items():
+                interpolation = isinstance(value, str) and value.startswith("${")
+                if key in params and not params[key].mandatory and not interpolation:
+                    restated.append(f"{path.relative_to(ROOT)}: {key}={value} (default {params[key].default!r})")
+    defaults = {name: p.default for name, p in schema_of(TrainerConfig).params.items()}
+    for path in sorted((CONFIG_DIR / "trainer").glob("*.yaml")):
+        for key, value in yaml.safe_load(path.read_text()).items():
+            if defaults.get(key) == value:
+                restated.append(f"{path.relative_to(ROOT)}: {key}={value} equals TrainerConfig's default")
+    assert not restated, "\n".join(restated)
+
+
+def test_the_composed_defaults_are_the_signatures_defaults():
+    cfg = complete_config(compose_train([]))
+    gpt = inspect.signature(locate(cfg.model._target_)).parameters
+    for key in ("n_layer", "n_embd", "dropout"):
+        assert cfg.model[key] == gpt[key].default
+    assert cfg.trainer.eval_every == TrainerConfig.eval_every and cfg.trainer.monitor == TrainerConfig.monitor
+
+
+def test_a_model_that_accepts_a_data_size_gets_it_and_one_that_does_not_is_not_given_it():
+    cfg = compose_train(["model=resnet", "data=cifar10"])
+    del cfg.model["num_classes"]  # as a user's YAML that names only its _target_
+    wired = complete_config(cfg)
+    assert OmegaConf.to_container(wired.model)["num_classes"] == "${dataset:num_classes}"
+    cfg = compose_train(["model._target_=torch.nn.ReLU", "data.block_size=8"])
+    del cfg.model["vocab_size"]
+    plain = complete_config(cfg)
+    assert OmegaConf.to_container(plain.model) == {"_target_": "torch.nn.ReLU", "inplace": False}
+
+
+def test_a_data_size_is_resolved_in_nested_model_config_and_saved_resolved():
+    from src.schema import resolve_data_sizes
+
+    cfg = complete_config(compose_train(["model=hf_causal_lm"]))
+    resolved = resolve_data_sizes(cfg, {"vocab_size": 65})
+    assert resolved.model.config.vocab_size == 65 and resolved.model.config.n_positions == 64
+    assert "${" not in OmegaConf.to_yaml(resolved)
+    with pytest.raises(ConfigError, match=r"model.config.vocab_size=\$\{dataset:vocab_size\}, but the data provides"):
+        resolve_data_sizes(cfg, {"num_classes": 10})
+
+
+def test_accelerate_launch_configs_cover_cpu_ddp_gpus_multi_node_and_fsdp_and_leave_precision_to_the_run():
+    configs = {p.stem: OmegaConf.load(p) for p in (CONFIG_DIR / "accelerate").glob("*.yaml")}
+    assert configs["cpu_ddp"].distributed_type == "MULTI_GPU"  # what makes the launcher start N workers without CUDA
+    assert {"single_gpu", "multi_gpu", "multi_node", "fsdp"} <= configs.keys()
+    assert configs["fsdp"].distributed_type == "FSDP"
+    assert not any("mixed_precision" in c for c in configs.values())  # else it would contradict trainer.*
 
 
 @pytest.mark.parametrize(
-    "override, key, message",
+    "overrides, message",
     [
-        ("trainer.max_stepz=5", "trainer.max_stepz", "not in 'TrainerConfig'"),
-        ("trainer.max_steps=many", "trainer.max_steps", "could not be converted to Integer"),
-        ("trainer.mixed_precision=fp8", "trainer.mixed_precision", "expected one of [no, fp16, bf16]"),
-        ("optimizer.lr=0", "optimizer.lr", "must be > 0"),
-        ("optimizer.lr=-1e-3", "optimizer.lr", "must be > 0"),
-        ("data.batch_size=0", "data.batch_size", "must be >= 1"),
-        ("trainer.gradient_accumulation_steps=0", "trainer.gradient_accumulation_steps", "must be >= 1"),
-        ("model.n_layr=3", "model.n_layr", "not in 'GPTConfig'"),
+        (["trainer.max_stepz=5"], "trainer.max_stepz: src.config.TrainerConfig has no parameter 'max_stepz'; did you "
+                                  "mean trainer.max_steps?"),
+        (["trainer.max_steps=many"], "trainer.max_steps=many expected an integer"),
+        (["trainer.mixed_precision=fp8"], "trainer.mixed_precision=fp8 expected one of [no, fp16, bf16]"),
+        (["optimizer.lr=0"], "optimizer.lr=0 is out of range: must be > 0"),
+        (["optimizer.lr=-1e-3"], "optimizer.lr=-0.001 is out of range: must be > 0"),
+        (["data.batch_size=0"], "data.batch_size=0 is out of range: must be >= 1"),
+        (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps=0 is out of range"),
+        (["model.n_layr=3"], "model.n_layr: src.models.gpt.GPT has no parameter 'n_layr'; did you mean model.n_layer?"),
+        (["+objective.foo=1"], "objective.foo: src.objectives.CrossEntropy has no parameter 'foo'"),
+        (["optimizer.betas=[0.9]"], "optimizer.betas=- 0.9 expected a list of 2 values"),
+        (["model._target_=src.models.nope.Model"], "model._target_=src.models.nope.Model: no such module"),
+        # item 9's sharp edges
+        (["data=tokens", "data.path=x.bin"], "data.vocab_size is mandatory (number of distinct token ids; int): "
+                                             "pass data.vocab_size=VALUE"),
+        (["model=hf_causal_lm", "~model.block_size", "model.config.n_positions=64"],
+         "model.block_size is mandatory"),
+        (["model._target_=torch.nn.Identity"], "data.block_size=${model.block_size}, but model=gpt "
+                                               "(torch.nn.Identity) has no 'block_size': set data.block_size=VALUE"),
+        (["model=resnet"], "model.num_classes=${dataset:num_classes}, but data=text (src.data.text.TextData) "
+                           "provides only: vocab_size"),
+        (["objective=mse", "trainer.monitor=eval/accuracy"], "trainer.monitor=eval/accuracy is not a metric "
+                                                             "objective=mse (src.objectives.MeanSquaredError) reports"),
+        (["data=jsonl"], "data=jsonl gives targets equal to the inputs (Hugging Face's labels convention), which "
+                         "objective=cross_entropy does not shift"),
     ],
 )
-def test_bad_value_names_the_key_exits_nonzero_and_creates_no_run_dir(tmp_path, override, key, message):
+def test_bad_value_names_the_key_exits_nonzero_and_creates_no_run_dir(tmp_path, overrides, message):
     run_dir = tmp_path / "run"
-    proc = run([override, f"hydra.run.dir={run_dir}"], check=False, timeout=60)
+    proc = run([*overrides, f"hydra.run.dir={run_dir}"], check=False, timeout=60)
     assert proc.returncode != 0
-    assert key in proc.stdout and message in proc.stdout, proc.stdout
+    assert message in proc.stdout, proc.stdout
     assert "Traceback" not in proc.stdout
     assert not run_dir.exists()
+
+
+def test_warmup_longer_than_the_run_warns_naming_both_keys(tmp_path):
+    proc = run(["trainer.max_steps=2", "scheduler.warmup_steps=5", "model.n_layer=1", "model.n_embd=16",
+                "model.n_head=1", "model.block_size=16", "data.batch_size=4", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert "scheduler.warmup_steps=5 >= trainer.max_steps=2" in proc.stdout
+
+
+def test_a_mistake_found_while_building_names_it_and_leaves_no_run_dir(tmp_path):
+    proc = run(["data.path=no/such/file.txt", f"hydra.run.dir={tmp_path / 'run'}"], check=False, timeout=60)
+    assert proc.returncode != 0 and "data.path='no/such/file.txt': no such file" in proc.stdout
+    assert "Traceback" not in proc.stdout and not (tmp_path / "run").exists()
 
 
 def test_fp16_without_cuda_is_refused_before_the_run_starts(tmp_path):
@@ -91,5 +174,6 @@ def test_fp16_without_cuda_is_refused_before_the_run_starts(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA, where fp16 is valid")
     proc = run(["trainer.mixed_precision=fp16", f"hydra.run.dir={tmp_path / 'run'}"], check=False, timeout=60)
-    assert proc.returncode != 0 and "trainer.mixed_precision=fp16 needs a CUDA GPU" in proc.stdout
+    assert proc.returncode != 0
+    assert "mixed precision fp16 (config: trainer.mixed_precision) needs a CUDA GPU" in proc.stdout
     assert not (tmp_path / "run").exists()

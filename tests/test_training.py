@@ -23,12 +23,13 @@ def assert_exported_model_matches_final_checkpoint(run_dir, example_input):
     exported = load_exported_model(run_dir / "model")
     final = complete_checkpoints(run_dir)[-1]
     run_cfg = run_config_for(final)
-    checkpointed = load_checkpointed_model(final, run_cfg, exported_kwargs(run_dir))
+    checkpointed = load_checkpointed_model(final, run_cfg)
     with torch.no_grad():
         assert torch.equal(exported(example_input), checkpointed(example_input))
 
 
 def exported_kwargs(run_dir):
+    """The data-derived sizes the exported config was saved with (resolved, not ${dataset:...})."""
     cfg = OmegaConf.load(run_dir / "model" / "config.yaml")
     return {k: cfg[k] for k in ("vocab_size", "num_classes") if k in cfg}
 
@@ -75,7 +76,7 @@ def test_bf16_mixed_precision_trains_on_cpu(tmp_path):
     run_dir = tmp_path / "run"
     proc = run([*TINY_GPT, *QUIET, "trainer.mixed_precision=bf16", "trainer.max_steps=30", "data.batch_size=16",
                 "optimizer.lr=3e-3", "scheduler.warmup_steps=5", f"hydra.run.dir={run_dir}"])
-    assert "mixed precision             : bf16" in proc.stdout
+    assert "mixed precision             : bf16 (config: trainer.mixed_precision)" in proc.stdout
     losses = scalars(run_dir, "train/loss")
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
     assert learned(losses, margin=0.3)

@@ -1,0 +1,38 @@
+"""User code as a user would add it (a model, an objective), for the tests that follow the open contract."""
+
+import json
+import os
+
+import torch
+
+from src.data.jsonl import JsonlData
+from src.models.gpt import GPT
+from src.objectives import CausalLM
+
+
+class AutocastRecorder(GPT):
+    """The GPT, writing on its first training forward whether autocast is on and in which dtype."""
+
+    def forward(self, input_ids, attention_mask=None):
+        path = os.environ.get("AUTOCAST_RECORD")
+        if path and self.training and not os.path.exists(path):
+            with open(path, "w") as f:
+                json.dump({"enabled": torch.is_autocast_enabled("cpu"),
+                           "dtype": str(torch.get_autocast_dtype("cpu"))}, f)
+        return super().forward(input_ids, attention_mask)
+
+
+class MeanPerMicroBatch(CausalLM):
+    """The normalisation this template does NOT do: each micro-batch's mean, as if it were the step's."""
+
+    def count(self, targets):
+        return torch.ones((), device=targets.device)
+
+    def loss_sum(self, logits, targets):
+        return super().loss_sum(logits, targets) / super().count(targets).clamp(min=1)
+
+
+class UndeclaredJsonl(JsonlData):
+    """Hugging Face-style labels (= input_ids) from a dataset that does not say so."""
+
+    targets_are_inputs = False
