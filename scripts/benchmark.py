@@ -29,23 +29,24 @@ sys.path.insert(0, str(ROOT))
 def hand_written(args, overrides: list[str]) -> dict:
     """The loop an engineer would write by hand, on the config train.py would use."""
     import torch
+    import torch.nn.functional as F
     from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
 
-    import src.config  # noqa: F401
-    from src.objective import training_loss
+    from src.config import complete_config
     from src.optim import param_groups
+    from src.schema import build, resolve_data_sizes
 
     with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=overrides)
+        cfg = complete_config(compose(config_name="train", overrides=overrides))
     torch.manual_seed(cfg.trainer.seed)
     if args.device == "cpu":
         torch.set_num_threads(len(os.sched_getaffinity(0)))
     device = torch.device(args.device)
-    data = instantiate(cfg.data)
-    model = instantiate(cfg.model, **data.model_kwargs).to(device)
-    optimizer = instantiate(cfg.optimizer)(param_groups(model))
-    scheduler = instantiate(cfg.scheduler)(optimizer)
+    data = build(cfg.data, group="data")
+    cfg = resolve_data_sizes(cfg, data.sizes())
+    model = build(cfg.model, group="model").to(device)
+    optimizer = build(cfg.optimizer, param_groups(model), group="optimizer")
+    scheduler = build(cfg.scheduler, optimizer, group="scheduler")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
     loader = data.train_dataloader()
     batches, times = iter(loader), []
@@ -57,7 +58,7 @@ def hand_written(args, overrides: list[str]) -> dict:
             inputs, targets = next(batches)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = training_loss(model, (inputs, targets))
+            loss = F.cross_entropy(model(inputs).float().flatten(0, -2), targets.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm or math.inf)
         optimizer.step()

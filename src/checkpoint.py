@@ -45,6 +45,8 @@ SAFE_ON_RESUME = {
     "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads", "data.num_workers",
 }
 DATA_SIZE_PLACEHOLDER = "${dataset:"
+# null in a config means "the launcher decides"; a checkpoint records the value that was in effect.
+LAUNCHER_SETTABLE = {"trainer.mixed_precision", "trainer.gradient_accumulation_steps"}
 
 
 def step_dir_name(step: int) -> str:
@@ -103,6 +105,8 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
         new, old = new_leaves.get(leaf), old_leaves.get(leaf)
         if isinstance(new, str) and new.startswith(DATA_SIZE_PLACEHOLDER):
             continue  # derived from the data; the checkpoint's model has the value it was built with
+        if new is None and leaf in LAUNCHER_SETTABLE:
+            continue  # the checkpoint's value stands; launch_settings then checks the launcher against it
         if new == old or not any(_under(leaf, scope) for scope in scopes):
             continue
         if leaf in SAFE_ON_RESUME:

@@ -103,7 +103,7 @@ def test_bare_num_processes_without_cuda_warns_with_the_command_that_works(tmp_p
            "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'bare'}"]
     proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "`accelerate launch --num_processes 2` started ONE process" in proc.stdout
+    assert "The launcher was asked for 2 processes (launcher: --num_processes) but started ONE" in proc.stdout
     assert "accelerate launch --multi_gpu --num_processes 2 train.py" in proc.stdout
 
 

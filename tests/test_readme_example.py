@@ -1,0 +1,61 @@
+"""The README's "bring your own model, data and loss" example, followed verbatim in a copy of the repository:
+its files are new files only, and its commands train on 1 and 2 processes, export, and reload."""
+
+import os
+import random
+import re
+import subprocess
+import sys
+
+from tests.conftest import ROOT, scalars
+
+README = (ROOT / "README.md").read_text()
+
+
+def blocks(marker: str) -> list[tuple[str, str]]:
+    """(marker argument, code) of every fenced block right after `<!-- marker[: argument] -->`."""
+    pattern = rf"<!-- {marker}(?:: (\S+))? -->\n```\w*\n(.*?)```"
+    return re.findall(pattern, README, flags=re.S)
+
+
+def write_table(path, rows: int = 2000) -> None:
+    """Four numeric features and a target that depends on them (with an interaction and a little noise)."""
+    rng = random.Random(0)
+    lines = ["size,rooms,age,distance,target"]
+    for _ in range(rows):
+        x = [rng.gauss(0, 1) for _ in range(4)]
+        y = 1.5 * x[0] + 0.8 * x[1] - 0.5 * x[2] + 0.3 * x[0] * x[3] + rng.gauss(0, 0.1)
+        lines.append(",".join(f"{v:.4f}" for v in x + [y]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_readme_example_adds_only_new_files_trains_on_one_and_two_processes_exports_and_reloads(tmp_path):
+    files, commands, snippets = blocks("example-file"), blocks("example-run"), blocks("example-python")
+    assert len(files) == 4 and len(commands) == 1 and len(snippets) == 1
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert not [name for name, _ in files if name in tracked], "the example must add files, not edit ours"
+
+    repo = tmp_path / "repo"  # a copy, so the example never touches this checkout
+    for name in tracked:
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_bytes((ROOT / name).read_bytes())
+    for name, code in files:
+        (repo / name).write_text(code)
+    write_table(repo / "data" / "table.csv")
+
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    for command in commands[0][1].strip().splitlines():
+        proc = subprocess.run(command, shell=True, cwd=repo, env=env, text=True, timeout=300,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}"
+    for run_name, nproc in (("mlp", 1), ("mlp_ddp", 2)):
+        run_dir = repo / "outputs" / run_name
+        assert f"processes                   : {nproc} " in (run_dir / "train.log").read_text()
+        eval_loss, eval_mae = scalars(run_dir, "eval/loss"), scalars(run_dir, "eval/mae")
+        assert eval_loss[300] < 0.1 and eval_mae[300] < 0.3  # the target's variance is about 3.5
+        assert scalars(run_dir, "eval/accuracy") == {}  # accuracy only where it means something
+
+    proc = subprocess.run([sys.executable, "-c", snippets[0][1]], cwd=repo, env=env, text=True,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"tensor\(\[-?\d", proc.stdout), proc.stdout
