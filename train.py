@@ -9,16 +9,19 @@
 Each option's keys are its `_target_`'s signature (src/schema.py); the loop's are TrainerConfig (src/config.py).
 """
 
-import logging
-import math
-import sys
-from pathlib import Path
+import time
 
-import hydra
-from accelerate.utils import set_seed
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-from tqdm import tqdm
+PROCESS_STARTED = time.time()  # before the imports, which are part of start-up
+
+import logging  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from src.accumulation import accumulation_windows, global_target_count, loss_for_backward
 from src.batches import call_model, split_batch
@@ -30,8 +33,10 @@ from src.launch import (build_accelerator, check_replicas_in_sync, describe_laun
                         shut_down)
 from src.optim import param_groups
 from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
+from src.progress import Progress
 from src.run_log import start_run_log
 from src.schema import build, resolve_data_sizes
+from src.telemetry import Telemetry
 from src.train_state import TrainState
 
 log = logging.getLogger("train")
@@ -78,9 +83,14 @@ def main(cfg: DictConfig) -> None:
     # Loop: one iteration per optimizer step, over a window of `accumulation` micro-batches whose loss is
     # normalised by the targets of the whole global batch (src/accumulation.py).
     max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
-    progress = tqdm(total=trainer.max_steps, initial=state.step, disable=not accelerator.is_main_process)
+    samples_per_step = cfg.data.get("batch_size", 0) * accelerator.num_processes * accumulation
+    telemetry = Telemetry(accelerator, model, samples_per_step, trainer.mixed_precision, trainer.peak_tflops,
+                          PROCESS_STARTED)
+    progress = Progress(trainer.max_steps, state.step, accelerator.is_main_process, trainer.progress_interval_s)
+    step_loss, metrics = None, {}
     model.train()
-    for window in accumulation_windows(accelerator, train_loader, state, trainer.max_steps, accumulation):
+    windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps, accumulation)
+    for window in telemetry.timed_windows(windows):
         step_targets = global_target_count(accelerator, objective, window)
         step_loss_sum = 0.0
         for batch in window:
@@ -97,27 +107,36 @@ def main(cfg: DictConfig) -> None:
                 optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         state.step += 1
-        progress.update()
+        telemetry.step_finished(step_targets)
 
+        logged = {}
         if state.step % trainer.log_every == 0:
             step_loss = (accelerator.reduce(step_loss_sum, "sum") / step_targets.clamp(min=1)).item()
-            scalars = {"train/loss": step_loss, "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": grad_norm.item()}
-            accelerator.log(scalars, step=state.step)
-            progress.set_postfix(loss=f"{step_loss:.4f}")
+            logged = {"train/loss": step_loss, "train/lr": scheduler.get_last_lr()[0],
+                      "train/grad_norm": grad_norm.item(), **telemetry.scalars()}
+            accelerator.log(logged, step=state.step)
+        progress.update(state.step, logged.get("train/loss"), logged.get("train/tokens_per_second"))
         done = state.step >= trainer.max_steps
-        metrics = None
+        step_metrics = None
         if done or (trainer.eval_every and state.step % trainer.eval_every == 0):
-            metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, objective).items()}
+            with telemetry.phase("evaluation"):
+                step_metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, objective).items()}
+            metrics = step_metrics
             accelerator.log(metrics, step=state.step)
             log.info("step %d: %s", state.step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         stopping = not done and preemption.stop_agreed(accelerator)
         if stopping:
             log.warning("stopping at step %d on %s: saving a checkpoint", state.step, preemption.describe())
-        checkpointer.step_finished(state, metrics, stopping)  # it decides: periodic, best, preemption, final
+        with telemetry.phase("checkpointing"):
+            checkpointer.step_finished(state, step_metrics, stopping)  # it decides: periodic, best, preemption, final
         if stopping:
             break
     progress.close()
-    if state.step < trainer.max_steps:  # stopped early: resume later from the checkpoint just saved
+    preempted = state.step < trainer.max_steps
+    best = {"metric": trainer.monitor, "value": state.best_metric, "step": state.best_step}
+    telemetry.summary(run_dir, "preempted" if preempted else "finished", state.step, accelerator.num_processes,
+                      trainer.mixed_precision, metrics, best, step_loss)
+    if preempted:  # resume later from the checkpoint just saved
         requeue_slurm_job(accelerator)
         shut_down(accelerator)
         sys.exit(PREEMPTED_EXIT_CODE)

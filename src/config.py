@@ -48,6 +48,10 @@ class TrainerConfig:
     monitor_mode: Annotated[Literal["min", "max"], Arg("whether the monitored metric is better low or high")] = "min"
     dist_timeout_s: Annotated[int, Arg("collective timeout: a lost peer ends the run with an error", ge=1)] = 1800
     compile: Annotated[bool, Arg("torch.compile the model")] = False
+    progress_interval_s: Annotated[float, Arg(
+        "seconds between plain progress lines when stderr is not a terminal (a terminal gets a tqdm bar)", gt=0)] = 30.0
+    peak_tflops: Annotated[Optional[float], Arg(
+        "peak TFLOP/s of one device, for train/mfu (null: A100/H100/H200 known, others no MFU)", gt=0)] = None
     cpu_threads: Annotated[Optional[int], Arg(
         "intra-op threads per process on CPU (null: its share of the cores)", ge=1)] = None
 

@@ -1,5 +1,6 @@
 """A stop signal saves a checkpoint and the resumed run ends where the uninterrupted one does."""
 
+import json
 import os
 import signal
 import subprocess
@@ -50,6 +51,8 @@ def test_sigterm_saves_a_checkpoint_exits_with_the_preempted_status_and_resume_m
     assert proc.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
     assert "stopping at step" in output and "on SIGTERM" in output
     assert not (stopped / "model").exists()
+    summary = json.loads((stopped / "summary.json").read_text())
+    assert summary["stopped"] == "preempted" and summary["steps"] < 60
     run([*args_for(stopped, 60), "resume=auto"])
     assert scalars(stopped, "train/loss") == scalars(reference, "train/loss")
     assert max_abs_diff(exported_weights(reference), exported_weights(stopped)) == 0

@@ -1,0 +1,53 @@
+"""Progress fit for where it is read: a tqdm bar on a terminal; in a log file (a SLURM .out, CI) one plain line
+every `trainer.progress_interval_s` seconds instead of a single line of carriage returns."""
+
+import logging
+import sys
+import time
+from datetime import timedelta
+from typing import Optional
+
+from tqdm import tqdm
+
+log = logging.getLogger("progress")
+
+
+class Progress:
+    def __init__(self, total: int, initial: int, enabled: bool, interval_s: float):
+        self.total, self.step, self.first = total, initial, initial
+        self.enabled, self.interval_s = enabled, interval_s
+        self.bar = tqdm(total=total, initial=initial) if enabled and sys.stderr.isatty() else None
+        self.started = self.last_line = time.monotonic()
+        self.loss: Optional[float] = None
+        self.tokens_per_second: Optional[float] = None
+
+    def update(self, step: int, loss: Optional[float] = None, tokens_per_second: Optional[float] = None) -> None:
+        self.step = step
+        self.loss = loss if loss is not None else self.loss
+        self.tokens_per_second = tokens_per_second if tokens_per_second is not None else self.tokens_per_second
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            if loss is not None:
+                self.bar.set_postfix(loss=f"{loss:.4f}")
+        elif time.monotonic() - self.last_line >= self.interval_s or step == self.total:
+            self.last_line = time.monotonic()
+            log.info(self.line())
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started
+        done = self.step - self.first
+        eta = elapsed / done * (self.total - self.step) if done else None
+        parts = [f"step {self.step}/{self.total} ({self.step / self.total:.0%})"]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.tokens_per_second is not None:
+            parts.append(f"{self.tokens_per_second:,.0f} tokens/s")
+        parts.append(f"elapsed {timedelta(seconds=round(elapsed))}")
+        parts.append(f"ETA {timedelta(seconds=round(eta)) if eta is not None else '?'}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

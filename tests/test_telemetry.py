@@ -1,0 +1,66 @@
+"""Live telemetry in the event file, a run summary consistent with it, and progress lines fit for a log."""
+
+import json
+import re
+
+import pytest
+
+from tests.conftest import QUIET, TINY_GPT, run, scalars
+
+TELEMETRY_TAGS = ("train/step_time", "train/data_wait", "train/samples_per_second", "train/tokens_per_second",
+                  "train/mfu", "memory/rss_gib")
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("telemetry") / "run"
+    proc = run([*TINY_GPT, *QUIET, "trainer.log_every=5", "trainer.max_steps=20", "data.batch_size=4",
+                "trainer.gradient_accumulation_steps=2", "trainer.eval_every=10", "trainer.peak_tflops=1",
+                "trainer.progress_interval_s=0.01", f"hydra.run.dir={run_dir}"], nproc=2)
+    return run_dir, proc.stdout
+
+
+def test_every_telemetry_tag_is_logged_at_every_logging_step(two_process_run):
+    run_dir, _ = two_process_run
+    for tag in TELEMETRY_TAGS:
+        assert sorted(scalars(run_dir, tag)) == [5, 10, 15, 20], tag
+    step_time, wait = scalars(run_dir, "train/step_time"), scalars(run_dir, "train/data_wait")
+    assert all(t > 0 for t in step_time.values()) and all(0 <= w < 1 for w in wait.values())
+    samples, tokens = scalars(run_dir, "train/samples_per_second"), scalars(run_dir, "train/tokens_per_second")
+    for step in samples:  # global: 4 per process x 2 processes x 2 micro-steps, every sample 32 counted targets
+        assert samples[step] == pytest.approx(16 / step_time[step], rel=1e-4)
+        assert tokens[step] == pytest.approx(32 * samples[step], rel=1e-3)
+
+
+def test_summary_json_is_complete_and_agrees_with_the_event_file(two_process_run):
+    run_dir, stdout = two_process_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stopped"] == "finished" and summary["steps"] == 20 and summary["processes"] == 2
+    assert summary["mixed_precision"] == "no"
+    assert summary["final_train_loss"] == pytest.approx(scalars(run_dir, "train/loss")[20], rel=1e-6)
+    assert summary["final_metrics"]["eval/loss"] == pytest.approx(scalars(run_dir, "eval/loss")[20], rel=1e-6)
+    assert summary["best"]["metric"] == "eval/loss" and summary["best"]["step"] in (10, 20)
+    assert set(summary["time_s"]) == {"start-up", "training", "of which evaluation", "of which checkpointing",
+                                      "of which data wait"}
+    assert 0 < summary["time_s"]["start-up"] < summary["wall_time_s"]
+    assert summary["time_s"]["of which evaluation"] < summary["time_s"]["training"] < summary["wall_time_s"]
+    assert summary["tokens_per_second"] > 0 and 0 < summary["mfu"] < 1  # peak 1 TFLOP/s per process
+    assert summary["peak_memory_gib"]["rss_max_over_ranks"] > 0.1
+    assert stdout.count("run summary (") == 1  # printed once, by rank 0
+
+
+def test_without_a_terminal_progress_is_plain_lines_with_step_loss_throughput_and_eta(two_process_run):
+    _, stdout = two_process_run
+    assert "\r" not in stdout
+    lines = re.findall(r"step (\d+)/20 \(\d+%\) \| loss [\d.]+ \| [\d,]+ tokens/s \| elapsed [\d:]+ \| ETA [\d:]+",
+                       stdout)
+    assert lines and lines[-1] == "20"
+
+
+def test_tokens_per_second_counts_targets_not_padding(tmp_path):
+    run_dir = tmp_path / "run"
+    run([*TINY_GPT, *QUIET, "model.block_size=256", "data=jsonl", "objective=causal_lm", "trainer.max_steps=4",
+         "trainer.log_every=2", "data.batch_size=8", f"hydra.run.dir={run_dir}"])
+    samples, tokens = scalars(run_dir, "train/samples_per_second"), scalars(run_dir, "train/tokens_per_second")
+    for step in samples:  # speeches of ~83 bytes (median) in windows of 256: most of a padded batch is padding
+        assert 0 < tokens[step] < 0.8 * 255 * samples[step]
