@@ -85,7 +85,7 @@ def main(cfg: DictConfig) -> None:
     max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
     samples_per_step = cfg.data.get("batch_size", 0) * accelerator.num_processes * accumulation
     telemetry = Telemetry(accelerator, model, samples_per_step, trainer.mixed_precision, trainer.peak_tflops,
-                          PROCESS_STARTED)
+                          PROCESS_STARTED, trainer.profile, run_dir)
     progress = Progress(trainer.max_steps, state.step, accelerator.is_main_process, trainer.progress_interval_s)
     step_loss, metrics = None, {}
     model.train()

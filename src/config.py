@@ -50,6 +50,8 @@ class TrainerConfig:
     compile: Annotated[bool, Arg("torch.compile the model")] = False
     progress_interval_s: Annotated[float, Arg(
         "seconds between plain progress lines when stderr is not a terminal (a terminal gets a tqdm bar)", gt=0)] = 30.0
+    profile: Annotated[Optional[tuple[int, int, int]], Arg(
+        "[wait, warmup, active] optimizer steps of a torch.profiler trace in <run_dir>/profile (null: off)", ge=0)] = None
     peak_tflops: Annotated[Optional[float], Arg(
         "peak TFLOP/s of one device, for train/mfu (null: A100/H100/H200 known, others no MFU)", gt=0)] = None
     cpu_threads: Annotated[Optional[int], Arg(

@@ -12,6 +12,9 @@ ranks in one collective, next to the `.item()` logging already makes:
                               device's peak is known (table below, or trainer.peak_tflops)
     memory/rss_gib, memory/cuda_allocated_gib, memory/cuda_reserved_gib, memory/cuda_peak_gib
     gpu/<i>/utilization, gpu/<i>/memory_used_gib, gpu/<i>/temperature_c, gpu/<i>/power_w  (NVML, if present)
+
+With trainer.profile=[wait, warmup, active], rank 0 also records a torch.profiler trace of those optimizer
+steps into <run_dir>/profile (TensorBoard's profiler plugin or https://ui.perfetto.dev open it).
 """
 
 import contextlib
@@ -109,8 +112,18 @@ class GpuMonitor:
 
 class Telemetry:
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, samples_per_step: int,
-                 precision: str, peak_tflops_override: Optional[float], process_started: float):
+                 precision: str, peak_tflops_override: Optional[float], process_started: float,
+                 profile: Optional[list[int]] = None, run_dir: Optional[Path] = None):
         self.accelerator = accelerator
+        self.profiler = None
+        if profile and accelerator.is_main_process:  # one trace, rank 0's: only rank 0 writes files
+            wait, warmup, active = profile
+            self.profiler = torch.profiler.profile(
+                schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(str(run_dir / "profile")),
+                activities=[torch.profiler.ProfilerActivity.CPU]
+                + ([torch.profiler.ProfilerActivity.CUDA] if accelerator.device.type == "cuda" else []),
+            )
         self.samples_per_step = samples_per_step  # global: batch x processes x accumulation
         self.flops_per_token = flops_per_token(model)
         peak = peak_tflops(accelerator.device, precision, peak_tflops_override)
@@ -136,6 +149,8 @@ class Telemetry:
                 self.loop_started = started
                 self.phases["start-up"] = time.time() - self.process_started
                 self._reset_interval()
+                if self.profiler is not None:
+                    self.profiler.start()
             try:
                 window = next(iterator)
             except StopIteration:
@@ -149,6 +164,8 @@ class Telemetry:
         """`counted_targets`: the step's global count of targets (src/accumulation.py's global_target_count)."""
         self.interval_steps += 1
         self.interval_targets += counted_targets.detach()  # stays on the device: no sync
+        if self.profiler is not None:
+            self.profiler.step()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -199,6 +216,9 @@ class Telemetry:
     def summary(self, run_dir: Path, stopped: str, steps: int, processes: int, precision: str,
                 final_metrics: dict[str, float], best: dict[str, Any], final_loss: Optional[float]) -> dict:
         """summary.json in the run dir and a printed table (main process); every rank calls it."""
+        if self.profiler is not None:
+            self.profiler.stop()  # writes the trace if the run ended inside the active steps
+            self.profiler = None
         wall = time.time() - self.process_started
         training = time.perf_counter() - self.loop_started if self.loop_started else 0.0
         throughput = self.totals["targets"] / training if training else 0.0

@@ -64,3 +64,29 @@ def test_tokens_per_second_counts_targets_not_padding(tmp_path):
     samples, tokens = scalars(run_dir, "train/samples_per_second"), scalars(run_dir, "train/tokens_per_second")
     for step in samples:  # speeches of ~83 bytes (median) in windows of 256: most of a padded batch is padding
         assert 0 < tokens[step] < 0.8 * 255 * samples[step]
+
+
+def test_profile_writes_a_torch_profiler_trace_of_the_chosen_steps_into_the_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    run([*TINY_GPT, *QUIET, "trainer.max_steps=6", "data.batch_size=4", "trainer.profile=[1,1,2]",
+         f"hydra.run.dir={run_dir}"])
+    traces = list((run_dir / "profile").glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    trace = json.loads(traces[0].read_text())
+    assert any("ProfilerStep#" in event.get("name", "") for event in trace["traceEvents"])
+
+
+def test_env_check_json_parses_and_names_torch_and_accelerate():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "scripts/env_check.py", "--json"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    facts = json.loads(out)
+    import accelerate
+    import torch
+
+    assert facts["torch"] == torch.__version__ and facts["accelerate"] == accelerate.__version__
+    assert facts["cpu_cores"] >= 1 and facts["recommended"]["launch"].startswith("accelerate launch")
