@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
     else:
         model = load_checkpointed_model(source, run_cfg)  # the run's config holds the data-derived sizes
     model = accelerator.prepare_model(model, evaluation_mode=True)
-    val_loader = accelerator.prepare_data_loader(data.val_dataloader())
+    val_loader = accelerator.prepare_data_loader(data.val_dataloader(cfg.eval_batches))
 
     metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, objective).items()}
     if accelerator.is_main_process:

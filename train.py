@@ -66,7 +66,7 @@ def main(cfg: DictConfig) -> None:
     objective = build(cfg.objective, group="objective")
     optimizer = build(cfg.optimizer, param_groups(model), group="optimizer")
     scheduler = build(cfg.scheduler, optimizer, group="scheduler")
-    train_loader, val_loader = data.train_dataloader(), data.val_dataloader()
+    train_loader, val_loader = data.train_dataloader(), data.val_dataloader(trainer.eval_batches)
 
     # Prepare: device placement, DDP wrapping, autocast, data sharding.
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(

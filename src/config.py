@@ -40,6 +40,9 @@ class TrainerConfig:
     seed: Annotated[int, Arg("seed for model init, data order, dropout", ge=0)] = 1337
     log_every: Annotated[int, Arg("optimizer steps between train/* scalars", ge=1)] = 10
     eval_every: Annotated[int, Arg("optimizer steps between evaluations (0: only at the end)", ge=0)] = 500
+    eval_batches: Annotated[Optional[int], Arg(
+        "evaluate on the first eval_batches x data.eval_batch_size validation samples (null: all); exact on any "
+        "number of processes", ge=1)] = None
     checkpoint_every: Annotated[int, Arg("optimizer steps between checkpoints (0: only at the end)", ge=0)] = 500
     keep_last_checkpoints: Annotated[int, Arg("newest complete checkpoints kept on disk", ge=2)] = 3
     max_grad_norm: Annotated[float, Arg("clip the global gradient norm to this (0: no clipping)", ge=0)] = 1.0
@@ -48,6 +51,13 @@ class TrainerConfig:
     monitor_mode: Annotated[Literal["min", "max"], Arg("whether the monitored metric is better low or high")] = "min"
     dist_timeout_s: Annotated[int, Arg("collective timeout: a lost peer ends the run with an error", ge=1)] = 1800
     compile: Annotated[bool, Arg("torch.compile the model")] = False
+    tf32: Annotated[bool, Arg("TF32 tensor cores for fp32 matmuls and convolutions on CUDA (ignored on CPU)")] = True
+    ddp_find_unused_parameters: Annotated[bool, Arg(
+        "DDP: allow parameters without a gradient in a step (costs a graph traversal per step)")] = False
+    ddp_static_graph: Annotated[bool, Arg("DDP: the graph is the same every step (enables more overlap)")] = False
+    ddp_bucket_cap_mb: Annotated[int, Arg("DDP: gradient bucket size for the all-reduce, in MB", ge=1)] = 25
+    ddp_gradient_as_bucket_view: Annotated[bool, Arg(
+        "DDP: gradients are views into the all-reduce buckets (saves one gradient-sized copy)")] = False
     progress_interval_s: Annotated[float, Arg(
         "seconds between plain progress lines when stderr is not a terminal (a terminal gets a tqdm bar)", gt=0)] = 30.0
     profile: Annotated[Optional[tuple[int, int, int]], Arg(

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import yaml
-from accelerate import Accelerator, DataLoaderConfiguration, InitProcessGroupKwargs
+from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, broadcast_object_list, gather_object
 from omegaconf import DictConfig
 
@@ -166,8 +166,15 @@ def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Pa
         step_scheduler_with_optimizer=False,
         log_with="tensorboard",
         project_dir=str(run_dir),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=trainer.dist_timeout_s))],
+        kwargs_handlers=[
+            InitProcessGroupKwargs(timeout=timedelta(seconds=trainer.dist_timeout_s)),
+            DistributedDataParallelKwargs(
+                find_unused_parameters=trainer.ddp_find_unused_parameters, static_graph=trainer.ddp_static_graph,
+                bucket_cap_mb=trainer.ddp_bucket_cap_mb, gradient_as_bucket_view=trainer.ddp_gradient_as_bucket_view),
+        ],
     )
+    if accelerator.device.type == "cuda" and trainer.tf32:  # Ampere and later: ~8x fp32 matmul throughput
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     quiet_other_ranks(accelerator)
     check_process_count(accelerator, settings.requested_processes)
     check_same_run_dir(accelerator, run_dir)

@@ -27,8 +27,10 @@ def adamw(
     betas: Annotated[tuple[float, float], Arg("Adam's moment decay rates")] = (0.9, 0.99),
     weight_decay: Annotated[float, Arg("decoupled weight decay on matrices (not biases/norms)", ge=0)] = 0.1,
     eps: Annotated[float, Arg("Adam epsilon", gt=0)] = 1e-8,
-    fused: Annotated[Optional[bool], Arg("fused CUDA kernel (null: PyTorch decides)")] = None,
+    fused: Annotated[Optional[bool], Arg("fused kernel (null: on CUDA yes, elsewhere PyTorch's default)")] = None,
 ) -> torch.optim.AdamW:
+    if fused is None and torch.cuda.is_available():
+        fused = True  # one kernel for the whole update: the fastest AdamW on GPUs
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps, fused=fused)
 
 

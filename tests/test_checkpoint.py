@@ -47,13 +47,15 @@ def step_dirs(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupted_run(tmp_path, small_text, nproc):
+@pytest.mark.parametrize("nproc, extra", [(1, ["data.random_offset=true"]), (2, [])])
+def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupted_run(tmp_path, small_text, nproc,
+                                                                                       extra):
+    """On 1 process with data.random_offset, whose windows move every epoch (the run crosses several)."""
     max_steps = 90
     reference, resumed = tmp_path / "uninterrupted", tmp_path / "killed"
-    run([*resumable_args(small_text, max_steps), f"hydra.run.dir={reference}"], nproc=nproc)
+    run([*resumable_args(small_text, max_steps), *extra, f"hydra.run.dir={reference}"], nproc=nproc)
 
-    args = [*resumable_args(small_text, max_steps), f"hydra.run.dir={resumed}"]
+    args = [*resumable_args(small_text, max_steps), *extra, f"hydra.run.dir={resumed}"]
     kill_when(args, nproc, ready=lambda: (resumed / "checkpoints" / "step_00000020").is_dir())
     assert not (resumed / "model").exists()  # it really died before the end
     proc = run([*args, "resume=auto"], nproc=nproc)
@@ -69,7 +71,7 @@ def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupt
 def test_resume_reproduces_augmented_image_training_with_loader_workers(tmp_path, cifar_root):
     """Random crops and flips in two DataLoader workers, BatchNorm, accumulation: still bitwise after a kill."""
     args = ["experiment=cifar10_resnet", f"data.root={cifar_root}", "model.width=8", "data.batch_size=16",
-            "data.num_workers=2", "trainer.gradient_accumulation_steps=2", "trainer.max_steps=45",
+            "data.num_workers=2", "data.prefetch_factor=4", "trainer.gradient_accumulation_steps=2", "trainer.max_steps=45",
             "trainer.checkpoint_every=10", "trainer.monitor=null", "trainer.keep_last_checkpoints=20", *QUIET]
     reference, resumed = tmp_path / "uninterrupted", tmp_path / "killed"
     run([*args, f"hydra.run.dir={reference}"])

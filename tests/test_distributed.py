@@ -56,15 +56,18 @@ def trained_resnet(tmp_path_factory, cifar_root):
     return run_dir
 
 
-def test_eval_metric_is_the_same_on_one_and_two_processes_with_an_odd_validation_set(trained_resnet, tmp_path):
+@pytest.mark.parametrize("bound, samples", [([], 301), (["eval_batches=3", "+data.eval_batch_size=13"], 39)])
+def test_eval_metric_is_the_same_on_one_and_two_processes_with_an_odd_validation_set(trained_resnet, tmp_path,
+                                                                                    bound, samples):
     reports = {}
     for nproc in (1, 2):
         output = tmp_path / f"metrics_{nproc}.json"
-        # batch 64 over 301 samples: the last global batch is uneven, and accelerate pads it on 2 processes
-        run([f"path={trained_resnet / 'model'}", "+data.batch_size=64", f"output={output}"], script="eval.py",
-            nproc=nproc)
+        # batch 64 over 301 samples: the last global batch is uneven, and accelerate pads it on 2 processes.
+        # Bounded (trainer.eval_batches' mechanism): the first 3 x 13 samples, 39 over 2 processes is uneven too.
+        run([f"path={trained_resnet / 'model'}", "+data.batch_size=64", f"output={output}", *bound],
+            script="eval.py", nproc=nproc)
         reports[nproc] = json.loads(output.read_text())
-    assert reports[1]["eval/samples"] == reports[2]["eval/samples"] == 301
+    assert reports[1]["eval/samples"] == reports[2]["eval/samples"] == samples
     assert reports[2]["num_processes"] == 2
     for metric in ("eval/loss", "eval/accuracy"):
         assert abs(reports[1][metric] - reports[2][metric]) < 1e-9, metric

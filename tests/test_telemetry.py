@@ -16,7 +16,8 @@ def two_process_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("telemetry") / "run"
     proc = run([*TINY_GPT, *QUIET, "trainer.log_every=5", "trainer.max_steps=20", "data.batch_size=4",
                 "trainer.gradient_accumulation_steps=2", "trainer.eval_every=10", "trainer.peak_tflops=1",
-                "trainer.progress_interval_s=0.01", f"hydra.run.dir={run_dir}"], nproc=2)
+                "trainer.progress_interval_s=0.01", "trainer.eval_batches=5", "data.eval_batch_size=6",
+                f"hydra.run.dir={run_dir}"], nproc=2)
     return run_dir, proc.stdout
 
 
@@ -39,6 +40,7 @@ def test_summary_json_is_complete_and_agrees_with_the_event_file(two_process_run
     assert summary["mixed_precision"] == "no"
     assert summary["final_train_loss"] == pytest.approx(scalars(run_dir, "train/loss")[20], rel=1e-6)
     assert summary["final_metrics"]["eval/loss"] == pytest.approx(scalars(run_dir, "eval/loss")[20], rel=1e-6)
+    assert summary["final_metrics"]["eval/samples"] == 30  # trainer.eval_batches x data.eval_batch_size
     assert summary["best"]["metric"] == "eval/loss" and summary["best"]["step"] in (10, 20)
     assert set(summary["time_s"]) == {"start-up", "training", "of which evaluation", "of which checkpointing",
                                       "of which data wait"}

@@ -8,7 +8,7 @@ import inspect
 from typing import Annotated, Callable, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.schema import Arg, UsageError
 
@@ -38,9 +38,15 @@ class DataModule:
         self,
         batch_size: Annotated[int, Arg("samples per process per micro-step", ge=1)] = 32,
         num_workers: Annotated[int, Arg("DataLoader worker processes per training process", ge=0)] = 0,
+        eval_batch_size: Annotated[Optional[int], Arg("samples per process per evaluation batch (null: batch_size)",
+                                                      ge=1)] = None,
+        prefetch_factor: Annotated[Optional[int], Arg("batches each worker loads ahead (null: PyTorch's 2; only "
+                                                      "with num_workers > 0)", ge=1)] = None,
     ):
         self.batch_size = batch_size
         self.num_workers = num_workers
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.prefetch_factor = prefetch_factor
 
     @classmethod
     def provides(cls) -> list[str]:
@@ -54,11 +60,12 @@ class DataModule:
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         return DataLoader(
             dataset,
-            batch_size=self.batch_size,
+            batch_size=self.batch_size if train else self.eval_batch_size,
             shuffle=train,
             # Full micro-batches only, so every optimizer step sees the same number of samples.
             drop_last=train,
             num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor if self.num_workers > 0 else None,
             collate_fn=self.collate_fn,
             pin_memory=torch.cuda.is_available(),
             # Training workers restart each epoch so that they see the dataset's set_epoch (augmentation seeds).
@@ -76,5 +83,10 @@ class DataModule:
             )
         return self._loader(self.train, train=True)
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val, train=False)
+    def val_dataloader(self, max_batches: Optional[int] = None) -> DataLoader:
+        """The validation set, or its first max_batches x eval_batch_size samples: the same samples on any
+        number of processes, so a bounded evaluation is still exact across processes."""
+        dataset = self.val
+        if max_batches is not None:
+            dataset = Subset(self.val, range(min(len(self.val), max_batches * self.eval_batch_size)))
+        return self._loader(dataset, train=False)

@@ -12,25 +12,38 @@ from src.schema import Arg
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of `block_size` tokens; the target is the window shifted by one token."""
+    """Non-overlapping windows of `block_size` tokens; the target is the window shifted by one token.
 
-    def __init__(self, tokens: np.ndarray, block_size: int):
-        self.tokens = tokens
-        self.block_size = block_size
+    With `random_offset`, every window of an epoch starts `offset` tokens later, the offset drawn from
+    (seed, epoch) alone: later epochs see new windows (as nanoGPT's random starts do), the number of
+    windows stays the same, and a resumed run sees exactly what it would have.
+    """
+
+    def __init__(self, tokens: np.ndarray, block_size: int, random_offset: bool = False, seed: int = 0):
+        self.tokens, self.block_size = tokens, block_size
+        self.random_offset, self.seed, self.offset = random_offset, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.random_offset:
+            rng = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+            self.offset = int(torch.randint(0, self.block_size, (), generator=rng))
 
     def __len__(self) -> int:
-        return max(0, (len(self.tokens) - 1) // self.block_size)
+        room = len(self.tokens) - 1 - (self.block_size - 1 if self.random_offset else 0)
+        return max(0, room // self.block_size)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = i * self.block_size
+        start = self.offset + i * self.block_size
         chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
 
 
-def split(tokens: np.ndarray, val_fraction: float, block_size: int) -> tuple[TokenWindows, TokenWindows]:
+def split(tokens: np.ndarray, val_fraction: float, block_size: int, random_offset: bool = False,
+          seed: int = 0) -> tuple[TokenWindows, TokenWindows]:
     """The first (1 - val_fraction) of the stream trains, the rest validates (as nanoGPT does)."""
     n_train = int(len(tokens) * (1 - val_fraction))
-    train, val = TokenWindows(tokens[:n_train], block_size), TokenWindows(tokens[n_train:], block_size)
+    train = TokenWindows(tokens[:n_train], block_size, random_offset, seed)
+    val = TokenWindows(tokens[n_train:], block_size)  # fixed windows: every evaluation measures the same thing
     if len(train) == 0 or len(val) == 0:
         raise ValueError(
             f"{len(tokens)} tokens with val_fraction={val_fraction} leave no full window of "
@@ -53,10 +66,14 @@ class TokenStream(DataModule):
         self,
         block_size: Annotated[int, Arg("tokens per sample", ge=1)],
         val_fraction: Annotated[float, Arg("tail of the file used for validation", gt=0, lt=1)] = 0.1,
+        random_offset: Annotated[bool, Arg("shift the training windows by a seeded offset each epoch, so later "
+                                           "epochs see new windows")] = False,
+        seed: Annotated[int, Arg("seed of the offsets (with the epoch)", ge=0)] = 0,
         **loader,
     ):
         super().__init__(**loader)
         self.block_size, self.val_fraction = block_size, val_fraction
+        self.random_offset, self.seed = random_offset, seed
 
 
 class TextData(TokenStream):
@@ -77,7 +94,7 @@ class TextData(TokenStream):
             self.vocab = sorted(set(text))
             index = {ch: i for i, ch in enumerate(self.vocab)}
             tokens = np.fromiter((index[ch] for ch in text), dtype=np.uint16, count=len(text))
-        self.train, self.val = split(tokens, self.val_fraction, self.block_size)
+        self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed)
 
     @model_size
     def vocab_size(self) -> int:
@@ -105,7 +122,7 @@ class TokenData(TokenStream):
         if head_max >= vocab_size:
             raise ValueError(f"data.vocab_size={vocab_size} but {path} holds token id {head_max}")
         self._vocab_size = vocab_size
-        self.train, self.val = split(tokens, self.val_fraction, self.block_size)
+        self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed)
 
     @model_size
     def vocab_size(self) -> int:

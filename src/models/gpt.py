@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from src.schema import Arg
@@ -72,9 +73,12 @@ class GPT(nn.Module):
         n_embd: Annotated[int, Arg("embedding width", ge=1)] = 128,
         dropout: Annotated[float, Arg("dropout probability", ge=0, lt=1)] = 0.0,
         bias: Annotated[bool, Arg("biases in Linear and LayerNorm layers")] = False,
+        gradient_checkpointing: Annotated[bool, Arg("recompute each block's activations in the backward pass: "
+                                                    "less memory, about a third more compute")] = False,
     ):
         super().__init__()
         self.block_size = block_size
+        self.gradient_checkpointing = gradient_checkpointing
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
@@ -109,7 +113,11 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
-            x = block(x)
+            if self.gradient_checkpointing and self.training:
+                # The recomputation replays the block's RNG state, so dropout masks (and the loss) are unchanged.
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
 
     def flops_per_token(self) -> int:

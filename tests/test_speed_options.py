@@ -1,0 +1,38 @@
+"""Speed and memory options keep their guarantees: they change how fast or how lean, never what is learned."""
+
+import torch
+
+from src.data.text import TokenWindows
+from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+
+SHORT = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "trainer.checkpoint_every=0", "trainer.monitor=null",
+         "optimizer.lr=1e-2", "scheduler.warmup_steps=2"]
+
+
+def test_activation_checkpointing_gives_the_same_losses_and_weights_with_dropout_on(tmp_path):
+    for name, flag in (("plain", "false"), ("checkpointed", "true")):
+        run([*SHORT, "model.dropout=0.1", "data.batch_size=8", f"model.gradient_checkpointing={flag}",
+             f"hydra.run.dir={tmp_path / name}"])
+    assert scalars(tmp_path / "checkpointed", "train/loss") == scalars(tmp_path / "plain", "train/loss")
+    assert max_abs_diff(exported_weights(tmp_path / "plain"), exported_weights(tmp_path / "checkpointed")) <= 1e-6
+
+
+def test_ddp_settings_reach_ddp_and_keep_the_weights_of_the_same_global_batch_on_one_process(tmp_path):
+    ddp = ["trainer.ddp_static_graph=true", "trainer.ddp_gradient_as_bucket_view=true", "trainer.ddp_bucket_cap_mb=1"]
+    run([*SHORT, "data.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}"])
+    run([*SHORT, *ddp, "data.batch_size=4", f"hydra.run.dir={tmp_path / 'two'}"], nproc=2)
+    assert max_abs_diff(exported_weights(tmp_path / "one"), exported_weights(tmp_path / "two")) <= 1e-5
+
+
+def test_random_offset_moves_the_windows_each_epoch_and_keeps_their_number():
+    tokens = torch.arange(1000).numpy()
+    windows = TokenWindows(tokens, block_size=10, random_offset=True, seed=3)
+    starts = []
+    for epoch in range(4):
+        windows.set_epoch(epoch)
+        starts.append(int(windows[0][0][0]))
+        assert len(windows) == 99 and int(windows[len(windows) - 1][1][-1]) <= 999  # the last window fits
+    assert len(set(starts)) > 1 and all(0 <= s < 10 for s in starts)
+    windows.set_epoch(2)
+    again = int(windows[0][0][0])
+    assert again == starts[2]  # a function of (seed, epoch) only: what exact resume needs
