@@ -9,34 +9,31 @@
 Each option's keys are its `_target_`'s signature (src/schema.py); the loop's are TrainerConfig (src/config.py).
 """
 
-import time
+import logging
+import math
+import sys
+from pathlib import Path
 
-PROCESS_STARTED = time.time()  # before the imports, which are part of start-up
-
-import logging  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import hydra  # noqa: E402
-from accelerate.utils import set_seed  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+import hydra
+from accelerate.utils import set_seed
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
 
 from src.accumulation import accumulation_windows, global_target_count, loss_for_backward
+from src.auto_batch import find_micro_batch
 from src.batches import call_model, split_batch
 from src.checkpoint import Checkpointer, config_for_resume, load_checkpoint, resume_source
 from src.config import complete_config
 from src.evaluation import evaluate
 from src.export import export_model
-from src.launch import (build_accelerator, check_replicas_in_sync, describe_launch, launch_settings, run_then_release,
-                        shut_down)
+from src.launch import (Setting, build_accelerator, check_replicas_in_sync, describe_launch, launch_settings,
+                        run_then_release, shut_down)
 from src.optim import param_groups
 from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from src.progress import Progress
 from src.run_log import start_run_log
 from src.schema import build, resolve_data_sizes
-from src.telemetry import Telemetry
+from src.telemetry import Telemetry, process_start_time
 from src.train_state import TrainState
 
 log = logging.getLogger("train")
@@ -60,10 +57,18 @@ def main(cfg: DictConfig) -> None:
     # Build. The data first: the model config may use sizes only the data knows (${dataset:vocab_size}).
     data = build(cfg.data, group="data")
     cfg = resolve_data_sizes(cfg, data.sizes())
+    trainer = cfg.trainer  # the resolved config is a new object: what is saved from here on
     model = build(cfg.model, group="model")
     if trainer.compile:
         model.compile()  # in place, so state_dict keys stay free of torch.compile's "_orig_mod." prefix
     objective = build(cfg.objective, group="objective")
+    if trainer.auto_micro_batch and not checkpoint:  # a resumed run keeps the micro-batch its config records
+        micro_batch = find_micro_batch(accelerator, model, objective, data, data.batch_size * accumulation)
+        accumulation = data.batch_size * accumulation // micro_batch
+        data.batch_size = cfg.data.batch_size = micro_batch
+        accelerator.gradient_accumulation_steps = trainer.gradient_accumulation_steps = accumulation
+        launch.gradient_accumulation_steps = Setting(accumulation, "auto micro-batch: largest that fits")
+        log.info("auto micro-batch: %d samples per process x %d micro-steps", micro_batch, accumulation)
     optimizer = build(cfg.optimizer, param_groups(model), group="optimizer")
     scheduler = build(cfg.scheduler, optimizer, group="scheduler")
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader(trainer.eval_batches)
@@ -85,7 +90,7 @@ def main(cfg: DictConfig) -> None:
     max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
     samples_per_step = cfg.data.get("batch_size", 0) * accelerator.num_processes * accumulation
     telemetry = Telemetry(accelerator, model, samples_per_step, trainer.mixed_precision, trainer.peak_tflops,
-                          PROCESS_STARTED, trainer.profile, run_dir)
+                          process_start_time(), trainer.profile, run_dir)
     progress = Progress(trainer.max_steps, state.step, accelerator.is_main_process, trainer.progress_interval_s)
     step_loss, metrics = None, {}
     model.train()

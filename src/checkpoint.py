@@ -101,6 +101,9 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     named = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
     scopes = [key if any(_under(leaf, key) for leaf in new_leaves) else "" for key in named]
     refused, changed = [], []
+    if old_leaves.get("trainer.auto_micro_batch") and _per_process_samples(new_leaves) == _per_process_samples(old_leaves):
+        # The checkpoint's micro-batch and accumulation were chosen to fit; the configured product stands.
+        new_leaves.update({key: old_leaves[key] for key in ("data.batch_size", "trainer.gradient_accumulation_steps")})
     for leaf in sorted(new_leaves.keys() | old_leaves.keys()):
         new, old = new_leaves.get(leaf), old_leaves.get(leaf)
         if isinstance(new, str) and new.startswith(DATA_SIZE_PLACEHOLDER):
@@ -123,6 +126,11 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     for line in changed:
         log.warning("resume: override accepted: %s", line)
     return saved
+
+
+def _per_process_samples(leaves: dict) -> Optional[int]:
+    batch, accumulation = leaves.get("data.batch_size"), leaves.get("trainer.gradient_accumulation_steps") or 1
+    return batch * accumulation if isinstance(batch, int) else None
 
 
 def _leaves(cfg: DictConfig) -> dict:

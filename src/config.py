@@ -51,6 +51,9 @@ class TrainerConfig:
     monitor_mode: Annotated[Literal["min", "max"], Arg("whether the monitored metric is better low or high")] = "min"
     dist_timeout_s: Annotated[int, Arg("collective timeout: a lost peer ends the run with an error", ge=1)] = 1800
     compile: Annotated[bool, Arg("torch.compile the model")] = False
+    auto_micro_batch: Annotated[bool, Arg(
+        "use the largest per-process micro-batch that fits, with accumulation making up the rest, so the global "
+        "batch and the loss stay exactly as configured; chosen once, saved, reused on resume")] = False
     tf32: Annotated[bool, Arg("TF32 tensor cores for fp32 matmuls and convolutions on CUDA (ignored on CPU)")] = True
     ddp_find_unused_parameters: Annotated[bool, Arg(
         "DDP: allow parameters without a gradient in a step (costs a graph traversal per step)")] = False

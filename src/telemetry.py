@@ -67,6 +67,21 @@ def flops_per_token(model: torch.nn.Module) -> Optional[float]:
     return None
 
 
+_IMPORTED = time.time()
+
+
+def process_start_time() -> float:
+    """When this process started (Linux: from /proc, so interpreter start-up and imports count), else when this
+    module was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
 def rss_gib() -> float:
     """Resident memory of this process now (Linux), else its peak."""
     try:

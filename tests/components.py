@@ -36,3 +36,16 @@ class UndeclaredJsonl(JsonlData):
     """Hugging Face-style labels (= input_ids) from a dataset that does not say so."""
 
     targets_are_inputs = False
+
+
+class OutOfMemoryAbove(GPT):
+    """The GPT, failing as a GPU does when a batch holds more than `max_batch` samples."""
+
+    def __init__(self, max_batch: int = 2, **gpt):
+        super().__init__(**gpt)
+        self.max_batch = max_batch
+
+    def forward(self, input_ids, attention_mask=None):
+        if len(input_ids) > self.max_batch:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried a batch of {len(input_ids)}")
+        return super().forward(input_ids, attention_mask)

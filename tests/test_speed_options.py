@@ -36,3 +36,20 @@ def test_random_offset_moves_the_windows_each_epoch_and_keeps_their_number():
     windows.set_epoch(2)
     again = int(windows[0][0][0])
     assert again == starts[2]  # a function of (seed, epoch) only: what exact resume needs
+
+
+def test_auto_micro_batch_keeps_the_global_batch_and_the_weights_of_the_configured_run_and_resume_reuses_it(tmp_path):
+    configured = [*SHORT, "data.batch_size=8", "trainer.checkpoint_every=3"]
+    run([*configured, f"hydra.run.dir={tmp_path / 'configured'}"])
+    auto = [*configured, "model._target_=tests.components.OutOfMemoryAbove", "+model.max_batch=2",
+            "data.eval_batch_size=2", "trainer.auto_micro_batch=true", f"hydra.run.dir={tmp_path / 'auto'}"]
+    proc = run(auto)
+    assert "auto micro-batch: 2 samples per process x 4 micro-steps" in proc.stdout
+    assert "global batch size           : 8 (= 2 per process x 1 processes x 4 micro-steps)" in proc.stdout
+    assert max_abs_diff(exported_weights(tmp_path / "configured"), exported_weights(tmp_path / "auto")) <= 1e-5
+
+    saved = (tmp_path / "auto" / "config.yaml").read_text()
+    assert "\n  batch_size: 2\n" in saved and "gradient_accumulation_steps: 4" in saved
+    proc = run([*auto, "trainer.max_steps=9", "resume=auto"])  # the same command, a longer run
+    assert "resumed from" in proc.stdout and "samples per process do not fit" not in proc.stdout
+    assert sorted(scalars(tmp_path / "auto", "train/loss")) == list(range(1, 10))
