@@ -28,6 +28,7 @@ from src.evaluation import evaluate
 from src.export import export_model
 from src.launch import (Setting, build_accelerator, check_replicas_in_sync, describe_launch, launch_settings,
                         run_then_release, shut_down)
+from src.nonfinite import NonFiniteGuard
 from src.optim import param_groups
 from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from src.progress import Progress
@@ -84,6 +85,7 @@ def main(cfg: DictConfig) -> None:
     export = lambda directory: export_model(accelerator, model, cfg.model, directory)  # noqa: E731
     checkpointer = Checkpointer(accelerator, run_dir, cfg, export)
     preemption = PreemptionWatch()
+    guard = NonFiniteGuard(accelerator, trainer.nonfinite, trainer.max_consecutive_skips, run_dir)
 
     # Loop: one iteration per optimizer step, over a window of `accumulation` micro-batches whose loss is
     # normalised by the targets of the whole global batch (src/accumulation.py).
@@ -106,11 +108,15 @@ def main(cfg: DictConfig) -> None:
                 loss_sum = objective.loss_sum(call_model(model, inputs), targets)
                 accelerator.backward(loss_for_backward(accelerator, loss_sum, step_targets))
                 step_loss_sum += loss_sum.detach()
+                apply_step = True
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                optimizer.step()  # a no-op until the accumulation window is complete
+                    apply_step = guard.step_is_finite(state.step + 1, step_loss_sum, grad_norm)
+                if apply_step:
+                    optimizer.step()  # a no-op until the accumulation window is complete
                 optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
+        if apply_step and not accelerator.optimizer_step_was_skipped:  # nor by fp16's GradScaler
+            scheduler.step()
         state.step += 1
         telemetry.step_finished(step_targets)
 
@@ -118,7 +124,7 @@ def main(cfg: DictConfig) -> None:
         if state.step % trainer.log_every == 0:
             step_loss = (accelerator.reduce(step_loss_sum, "sum") / step_targets.clamp(min=1)).item()
             logged = {"train/loss": step_loss, "train/lr": scheduler.get_last_lr()[0],
-                      "train/grad_norm": grad_norm.item(), **telemetry.scalars()}
+                      "train/grad_norm": grad_norm.item(), "train/skipped_steps": guard.skipped, **telemetry.scalars()}
             accelerator.log(logged, step=state.step)
         progress.update(state.step, logged.get("train/loss"), logged.get("train/tokens_per_second"))
         done = state.step >= trainer.max_steps

@@ -14,6 +14,7 @@ new one is written and nothing is atomic, so a kill during a save can leave no l
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -182,7 +183,7 @@ class Checkpointer:
         if self.monitor is None:
             return False
         value = metrics[self.monitor]
-        if value != value:  # NaN is never an improvement
+        if not math.isfinite(value):  # a NaN or infinite metric is reported, never the best
             return False
         best = state.best_metric
         if best is None or (value < best if self.mode == "min" else value > best):

@@ -39,6 +39,10 @@ class TrainerConfig:
         "autocast dtype (null: the launcher's --mixed_precision or `accelerate config` answer, else no)")] = None
     seed: Annotated[int, Arg("seed for model init, data order, dropout", ge=0)] = 1337
     log_every: Annotated[int, Arg("optimizer steps between train/* scalars", ge=1)] = 10
+    nonfinite: Annotated[Literal["error", "skip"], Arg(
+        "a NaN/inf loss or gradient norm: stop before applying it (error) or skip that optimizer step (skip)")] = "error"
+    max_consecutive_skips: Annotated[int, Arg("with nonfinite=skip, stop after this many skipped steps in a row",
+                                              ge=1)] = 10
     eval_every: Annotated[int, Arg("optimizer steps between evaluations (0: only at the end)", ge=0)] = 500
     eval_batches: Annotated[Optional[int], Arg(
         "evaluate on the first eval_batches x data.eval_batch_size validation samples (null: all); exact on any "

@@ -277,7 +277,9 @@ def summary_table(summary: dict) -> str:
     if summary["final_train_loss"] is not None:
         rows.append(("final train/loss", f"{summary['final_train_loss']:.4f}"))
     rows += [(name, f"{value:.4f}") for name, value in summary["final_metrics"].items()]
-    if summary["best"].get("metric"):
-        rows.append((f"best {summary['best']['metric']}", f"{summary['best']['value']:.4f} at step {summary['best']['step']}"))
+    best = summary["best"]
+    if best.get("metric"):
+        rows.append((f"best {best['metric']}", f"{best['value']:.4f} at step {best['step']}"
+                     if best["step"] is not None else "none (no finite value)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)

@@ -49,3 +49,27 @@ class OutOfMemoryAbove(GPT):
         if len(input_ids) > self.max_batch:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried a batch of {len(input_ids)}")
         return super().forward(input_ids, attention_mask)
+
+
+class NaNOnCalls(GPT):
+    """The GPT, returning NaN logits on the training forward calls listed (1-based)."""
+
+    def __init__(self, nan_calls: tuple = (), **gpt):
+        super().__init__(**gpt)
+        self.nan_calls, self.calls = set(nan_calls), 0
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = super().forward(input_ids, attention_mask)
+        if self.training:
+            self.calls += 1
+            if self.calls in self.nan_calls:
+                return logits * float("nan")
+        return logits
+
+
+class NaNWhenEvaluating(GPT):
+    """The GPT, training normally and returning NaN logits in evaluation."""
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = super().forward(input_ids, attention_mask)
+        return logits if self.training else logits * float("nan")

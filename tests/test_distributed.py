@@ -20,7 +20,7 @@ def test_two_process_run_is_real_ddp_with_identical_replicas_and_one_set_of_outp
     assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
     assert len(list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))) == 1
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "checkpoints", "config.yaml", "model", "model_best", "tensorboard", "train.log"]
+        "checkpoints", "config.yaml", "model", "model_best", "summary.json", "tensorboard", "train.log"]
     assert [p.name for p in (run_dir / "model").iterdir()].count("model.safetensors") == 1
     assert sorted(scalars(run_dir, "train/loss")) == list(range(1, 13))
 
