@@ -111,6 +111,11 @@ def test_hf_causal_lm_on_padded_documents_learns_and_exports_a_folder_from_pretr
          "trainer.eval_every=40", f"hydra.run.dir={run_dir}"], nproc=nproc)
     losses = scalars(run_dir, "train/loss")
     assert sum(losses[s] for s in range(36, 41)) / 5 < sum(losses[s] for s in range(1, 6)) / 5 - 0.5
+    samples, tokens = scalars(run_dir, "train/samples_per_second"), scalars(run_dir, "train/tokens_per_second")
+    # Throughput counts targets, not padding: a quarter of the speeches are shorter than the 48-token window
+    # (42.9 counted targets per sample on average, 47 if padding counted).
+    per_sample = sum(tokens[s] / samples[s] for s in samples) / len(samples)
+    assert 40 < per_sample < 45.5
     assert scalars(run_dir, "eval/loss")[40] < 5.0  # ln 256 = 5.55: better than uniform over bytes
 
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "model").eval()

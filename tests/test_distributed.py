@@ -26,13 +26,17 @@ def test_two_process_run_is_real_ddp_with_identical_replicas_and_one_set_of_outp
 
 
 def test_global_batch_gives_the_same_weights_and_lr_however_it_is_split(tmp_path):
-    """(1 process, batch 2B), (1 process, batch B, accumulation 2) and (2 processes, batch B) agree."""
+    """(1 process, batch 2B), (1 process, batch B, accumulation 2) and (2 processes, batch B) agree, the last
+    with DDP's settings (static graph, gradients as bucket views, 1 MB buckets) reaching DDP."""
     common = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "trainer.max_grad_norm=0.5", "scheduler.warmup_steps=2",
               "optimizer.lr=1e-2", "trainer.checkpoint_every=0", "trainer.monitor=null"]
     layouts = {
         "one_process_batch_8": (1, ["data.batch_size=8", "trainer.gradient_accumulation_steps=1"]),
         "one_process_batch_4_accumulate_2": (1, ["data.batch_size=4", "trainer.gradient_accumulation_steps=2"]),
-        "two_processes_batch_4": (2, ["data.batch_size=4", "trainer.gradient_accumulation_steps=1"]),
+        # with every DDP setting changed from its default: they change how gradients travel, not their values
+        "two_processes_batch_4": (2, ["data.batch_size=4", "trainer.gradient_accumulation_steps=1",
+                                      "trainer.ddp_static_graph=true", "trainer.ddp_gradient_as_bucket_view=true",
+                                      "trainer.ddp_bucket_cap_mb=1"]),
     }
     weights, lrs, losses = {}, {}, {}
     for name, (nproc, args) in layouts.items():

@@ -17,13 +17,6 @@ def test_activation_checkpointing_gives_the_same_losses_and_weights_with_dropout
     assert max_abs_diff(exported_weights(tmp_path / "plain"), exported_weights(tmp_path / "checkpointed")) <= 1e-6
 
 
-def test_ddp_settings_reach_ddp_and_keep_the_weights_of_the_same_global_batch_on_one_process(tmp_path):
-    ddp = ["trainer.ddp_static_graph=true", "trainer.ddp_gradient_as_bucket_view=true", "trainer.ddp_bucket_cap_mb=1"]
-    run([*SHORT, "data.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}"])
-    run([*SHORT, *ddp, "data.batch_size=4", f"hydra.run.dir={tmp_path / 'two'}"], nproc=2)
-    assert max_abs_diff(exported_weights(tmp_path / "one"), exported_weights(tmp_path / "two")) <= 1e-5
-
-
 def test_random_offset_moves_the_windows_each_epoch_and_keeps_their_number():
     tokens = torch.arange(1000).numpy()
     windows = TokenWindows(tokens, block_size=10, random_offset=True, seed=3)
