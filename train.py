@@ -26,6 +26,7 @@ from src.checkpoint import Checkpointer, config_for_resume, load_checkpoint, res
 from src.config import complete_config
 from src.evaluation import evaluate
 from src.export import export_model
+from src.hang_watch import HangWatch
 from src.launch import (Setting, build_accelerator, check_replicas_in_sync, describe_launch, launch_settings,
                         run_then_release, shut_down)
 from src.nonfinite import NonFiniteGuard
@@ -86,6 +87,7 @@ def main(cfg: DictConfig) -> None:
     checkpointer = Checkpointer(accelerator, run_dir, cfg, export)
     preemption = PreemptionWatch()
     guard = NonFiniteGuard(accelerator, trainer.nonfinite, trainer.max_consecutive_skips, run_dir)
+    hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s)
 
     # Loop: one iteration per optimizer step, over a window of `accumulation` micro-batches whose loss is
     # normalised by the targets of the whole global batch (src/accumulation.py).
@@ -98,6 +100,7 @@ def main(cfg: DictConfig) -> None:
     model.train()
     windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps, accumulation)
     for window in telemetry.timed_windows(windows):
+        hang_watch.beat(state.step)
         step_targets = global_target_count(accelerator, objective, window)
         step_loss_sum = 0.0
         for batch in window:
@@ -138,6 +141,7 @@ def main(cfg: DictConfig) -> None:
         stopping = not done and preemption.stop_agreed(accelerator)
         if stopping:
             log.warning("stopping at step %d on %s: saving a checkpoint", state.step, preemption.describe())
+        hang_watch.beat(state.step)
         with telemetry.phase("checkpointing"):
             checkpointer.step_finished(state, step_metrics, stopping)  # it decides: periodic, best, preemption, final
         if stopping:

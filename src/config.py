@@ -54,6 +54,8 @@ class TrainerConfig:
         "metric that picks the best checkpoint (null: none); one the objective reports, e.g. eval/loss")] = "eval/loss"
     monitor_mode: Annotated[Literal["min", "max"], Arg("whether the monitored metric is better low or high")] = "min"
     dist_timeout_s: Annotated[int, Arg("collective timeout: a lost peer ends the run with an error", ge=1)] = 1800
+    hang_report_s: Annotated[float, Arg("no optimizer step finished for this long: every live rank logs its "
+                                        "threads' stacks (before dist_timeout_s ends the run)", gt=0)] = 300.0
     compile: Annotated[bool, Arg("torch.compile the model")] = False
     auto_micro_batch: Annotated[bool, Arg(
         "use the largest per-process micro-batch that fits, with accumulation making up the rest, so the global "

@@ -56,3 +56,47 @@ def test_a_nonfinite_evaluation_is_reported_and_never_becomes_the_best_checkpoin
     assert not (run_dir / "model_best").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["best"]["step"] is None and math.isnan(summary["final_metrics"]["eval/loss"])
+
+
+def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_nonzero_within_the_timeout(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import ROOT, launch_command
+    from tests.test_preemption import wait_for, worker_pids
+
+    run_dir = tmp_path / "run"
+    args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=100000", "trainer.checkpoint_every=5",
+            "trainer.hang_report_s=1", "trainer.dist_timeout_s=5", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(launch_command("train.py", 2, "torchrun") + args, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stopped = None
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step_00000005").is_dir() and len(worker_pids(proc.pid)) == 2, proc)
+        workers = worker_pids(proc.pid)
+        rank0, stopped = workers[0], workers[1]
+        os.kill(stopped, signal.SIGSTOP)
+        started = time.monotonic()
+        while os.path.exists(f"/proc/{rank0}") and time.monotonic() - started < 90:
+            time.sleep(0.2)
+        # Rank 0 ended by itself: the collective timeout (5 s), not a 30-minute wait. torchrun then gives the
+        # stopped rank a fixed 30 s to act on SIGTERM, which it cannot; end it now instead.
+        assert not os.path.exists(f"/proc/{rank0}"), "rank 0 is still waiting"
+        assert time.monotonic() - started < 60
+        os.kill(stopped, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert "HANG? rank 0 (pid" in output and "no optimizer step finished" in output, output[-4000:]
+        report = output.split("HANG? rank 0", 1)[1]
+        assert "Thread MainThread:" in report and 'train.py", line' in report  # where rank 0 waits
+        assert "HANG? rank 1" not in output  # the stopped rank says nothing: that is how it shows
+    finally:
+        if stopped:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
