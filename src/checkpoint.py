@@ -211,7 +211,7 @@ class Checkpointer:
         if accelerator.is_main_process:
             _fsync_tree(tmp)
             tmp.rename(final)  # the commit point: atomic on POSIX filesystems
-            size_mb = sum(f.stat().st_size for f in final.iterdir()) / 2**20
+            size_mb = _tree_size(final) / 2**20
             log.info("saved checkpoint %s (%.1f MB) in %.2f s", final, size_mb, time.perf_counter() - started)
             self._rotate(state)
         accelerator.wait_for_everyone()
@@ -227,12 +227,30 @@ class Checkpointer:
 
 
 def _fsync_tree(directory: Path) -> None:
-    for file in directory.iterdir():
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
+    """Every file and directory of a checkpoint on disk before it is renamed into place (sharded states are
+    directories of files: FSDP's pytorch_model_fsdp_0/, optimizer_0/)."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(root, os.O_RDONLY)  # the directory's entries too
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _tree_size(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
 
 
 # --- loading ------------------------------------------------------------------------------------------
+
+
+# What accelerate.save_state writes for the model and the optimizer: a file, or under FSDP's sharded state
+# dict a torch.distributed.checkpoint directory (.metadata + .distcp shards).
+MODEL_STATES = ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp_0.bin", "pytorch_model_fsdp_0")
+OPTIMIZER_STATES = ("optimizer.bin", "optimizer_0.bin", "optimizer_0")
 
 
 def check_readable(checkpoint: Path) -> None:
@@ -241,13 +259,15 @@ def check_readable(checkpoint: Path) -> None:
     The CRC check reads every torch file once more, deliberately: torch.load does not verify CRCs, so a
     file corrupted in the middle would otherwise load silently (verified: 16 bad bytes in optimizer.bin).
     """
-    required = ["model.safetensors", "optimizer.bin", "scheduler.bin", STATE_FILE, CONFIG_FILE]
-    for name in required:
-        if not (checkpoint / name).is_file():
-            raise UsageError(f"checkpoint {checkpoint} is incomplete: {checkpoint / name} is missing")
+    for alternatives in (MODEL_STATES, OPTIMIZER_STATES, ("scheduler.bin",), (STATE_FILE,), (CONFIG_FILE,)):
+        if not any((checkpoint / name).exists() for name in alternatives):
+            raise UsageError(f"checkpoint {checkpoint} is incomplete: {checkpoint / alternatives[0]} is missing"
+                             + (f" (nor {', '.join(alternatives[1:])})" if len(alternatives) > 1 else ""))
     for file in sorted(checkpoint.iterdir()):
         try:
-            if file.suffix == ".safetensors":
+            if file.is_dir():
+                _check_sharded_state(file)
+            elif file.suffix == ".safetensors":
                 with safe_open(file, framework="pt"):  # validates the header against the file size
                     pass
             elif file.suffix in (".bin", ".pt", ".pkl"):
@@ -259,6 +279,22 @@ def check_readable(checkpoint: Path) -> None:
         except Exception as error:
             raise UsageError(f"checkpoint file {file} is corrupt or truncated ({error}); "
                              f"resume from an older checkpoint with resume=PATH") from error
+
+
+def _check_sharded_state(directory: Path) -> None:
+    """A torch.distributed.checkpoint directory: its metadata loads, and every shard holds the bytes it lists."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (directory / ".metadata").is_file():
+        raise ValueError(f"{directory / '.metadata'} is missing")
+    needed: dict[str, int] = {}
+    for info in FileSystemReader(str(directory)).read_metadata().storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        shard = directory / name
+        actual = shard.stat().st_size if shard.is_file() else None
+        if actual is None or actual < size:
+            raise ValueError(f"shard {shard} holds {actual or 0} bytes, the metadata lists {size}")
 
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainState) -> None:

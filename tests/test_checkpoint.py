@@ -192,3 +192,39 @@ def test_resume_from_an_explicit_checkpoint_path_continues_into_a_new_run_dir(fi
                 f"hydra.run.dir={fork}"])
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
     assert max_abs_diff(exported_weights(fork), exported_weights(finished_run)) == 0
+
+
+def fsdp_shaped_checkpoint(directory: Path) -> Path:
+    """A checkpoint laid out as accelerate's save_state writes it under FSDP's sharded state dict: model and
+    optimizer as torch.distributed.checkpoint directories (written for real here, by one CPU process)."""
+    import json as json_module
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(64, 64)
+    checkpoint = directory / "step_00000010"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(checkpoint / "pytorch_model_fsdp_0"))
+    dcp.save({"optimizer": {"exp_avg": torch.randn(64, 64)}}, checkpoint_id=str(checkpoint / "optimizer_0"))
+    torch.save({"last_epoch": 10}, checkpoint / "scheduler.bin")
+    torch.save({"step": 10}, checkpoint / "random_states_0.pkl")
+    (checkpoint / "train_state.json").write_text(json_module.dumps({"step": 10}))
+    (checkpoint / "run_config.yaml").write_text("trainer: {}\n")
+    return checkpoint
+
+
+def test_sharded_checkpoint_directories_are_fsynced_and_accepted_and_a_truncated_shard_is_named(tmp_path):
+    from src.checkpoint import _fsync_tree, check_readable
+
+    checkpoint = fsdp_shaped_checkpoint(tmp_path)
+    _fsync_tree(checkpoint)  # opens directories as directories, not as files
+    check_readable(checkpoint)  # no model.safetensors, and that is fine here
+    shard = next((checkpoint / "optimizer_0").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(Exception, match=rf"checkpoint file {checkpoint / 'optimizer_0'} is corrupt or truncated "
+                                        rf"\(shard {shard} holds 100 bytes"):
+        check_readable(checkpoint)
+    intact = fsdp_shaped_checkpoint(tmp_path / "other")
+    (intact / "pytorch_model_fsdp_0" / ".metadata").unlink()
+    with pytest.raises(Exception, match=r"pytorch_model_fsdp_0/.metadata is missing"):
+        check_readable(intact)
