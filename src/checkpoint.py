@@ -203,10 +203,15 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(tmp))
-        if accelerator.is_main_process:
-            (tmp / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=2))
-            OmegaConf.save(self.cfg, tmp / CONFIG_FILE, resolve=True)
+        failure = None
+        try:
+            accelerator.save_state(str(tmp))
+            if accelerator.is_main_process:
+                (tmp / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=2))
+                OmegaConf.save(self.cfg, tmp / CONFIG_FILE, resolve=True)
+        except Exception as error:  # a full or unwritable disk shows as OSError, RuntimeError or a library's own
+            failure = error
+        self._stop_if_any_rank_failed(failure, tmp)
         accelerator.wait_for_everyone()  # every rank's files are in tmp before it becomes a checkpoint
         if accelerator.is_main_process:
             _fsync_tree(tmp)
@@ -216,6 +221,28 @@ class Checkpointer:
             self._rotate(state)
         accelerator.wait_for_everyone()
         return final
+
+    def _stop_if_any_rank_failed(self, failure: Optional[Exception], tmp: Path) -> None:
+        """All ranks learn whether any rank's save failed, so none waits at a barrier; the partial save is
+        removed and the newest complete checkpoint stays the one to resume from."""
+        failed = torch.tensor(float(failure is not None), device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            failed = self.accelerator.reduce(failed, "max")
+        if not failed.item():
+            return
+        previous = complete_checkpoints(self.run_dir)
+        needed = f"about {_tree_size(previous[-1]) / 2**20:.1f} MB (the size of the previous one)" if previous \
+            else "unknown"
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(self.root).free / 2**20  # with the partial save gone
+        cause = f" ({type(failure).__name__}: {failure})" if failure is not None else " (on another rank)"
+        raise UsageError(
+            f"Could not write checkpoint {tmp.with_name(tmp.name.removeprefix('.tmp-'))}{cause}. A checkpoint needs "
+            f"{needed}; {free:.1f} MB are free on that filesystem. "
+            + (f"The newest complete checkpoint, {previous[-1]}, is intact: free some space, then resume=auto."
+               if previous else "No earlier checkpoint exists.")
+        )
 
     def _rotate(self, state: TrainState) -> None:
         """Delete the oldest complete checkpoints beyond keep_last; the best one is kept apart."""

@@ -100,3 +100,36 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
                 pass
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_full_disk_during_a_save_names_the_path_and_leaves_the_previous_checkpoint_resumable(tmp_path):
+    import shutil
+    import subprocess
+
+    import pytest
+
+    from src.checkpoint import check_readable, complete_checkpoints
+
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root): no full filesystem to test on")
+    try:
+        run_dir = mount / "run"
+        args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=40", "trainer.checkpoint_every=1",
+                "trainer.keep_last_checkpoints=40", "trainer.monitor=null"]
+        proc = run([*args, f"hydra.run.dir={run_dir}"], check=False)
+        assert proc.returncode != 0 and "Could not write checkpoint" in proc.stdout, proc.stdout[-3000:]
+        assert "MB are free on that filesystem" in proc.stdout and "is intact: free some space" in proc.stdout
+        assert "Traceback" not in proc.stdout
+        assert not list((run_dir / "checkpoints").glob(".tmp-*"))  # no half-written step_N
+        saved = complete_checkpoints(run_dir)
+        assert len(saved) >= 2
+        for checkpoint in saved:
+            check_readable(checkpoint)
+        elsewhere = tmp_path / "resumed"  # on a disk with room, the newest checkpoint continues the run
+        run([*args, f"resume={saved[-1]}", f"hydra.run.dir={elsewhere}"])
+        assert sorted(scalars(elsewhere, "train/loss"))[-1] == 40
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+        shutil.rmtree(mount, ignore_errors=True)
