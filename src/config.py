@@ -10,6 +10,7 @@ directory, so a mistake never leaves an empty run dir behind.
 import functools
 import os
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -160,6 +161,10 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
         problems.append(f"data={_choice(cfg, 'data')} gives targets equal to the inputs (Hugging Face's labels "
                         f"convention), which objective={_choice(cfg, 'objective')} does not shift: the model would "
                         "learn to copy its input. Use objective=causal_lm.")
+    for key in ("eval_every", "checkpoint_every"):
+        if trainer[key] > trainer.max_steps:
+            warnings.append(f"trainer.{key}={trainer[key]} > trainer.max_steps={trainer.max_steps}: only the end of "
+                            f"the run will {'evaluate' if key == 'eval_every' else 'save a checkpoint'}")
     warmup = OmegaConf.select(cfg, "scheduler.warmup_steps")
     if isinstance(warmup, int) and warmup >= trainer.max_steps:
         warnings.append(f"scheduler.warmup_steps={warmup} >= trainer.max_steps={trainer.max_steps}: the learning "
@@ -197,6 +202,7 @@ class ValidateConfig(Callback):
 
         warnings = []
         try:
+            check_run_dir_can_be_made(config.hydra.run.dir)
             launch_settings(complete_config(config, warnings).trainer)
             for warning in warnings:
                 print(f"Warning: {warning}", file=sys.stderr)
@@ -207,6 +213,22 @@ class ValidateConfig(Callback):
         except Exception:  # a bug in a check must not let the run start unchecked
             traceback.print_exc()
             raise SystemExit(1)
+
+
+def check_run_dir_can_be_made(run_dir: str) -> None:
+    """Refuse a run directory that cannot be created or written, before Hydra tries to."""
+    existing = Path(run_dir).expanduser().absolute()
+    while not existing.exists():
+        existing = existing.parent
+    what = "is not a directory" if not existing.is_dir() else None
+    if what is None:
+        try:  # a real probe: permission bits say little to root, or on read-only and special filesystems
+            os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=existing))
+        except OSError as error:
+            what = f"is not writable ({error.strerror})"
+    if what:
+        raise UsageError(f"hydra.run.dir={run_dir} cannot be created: {existing} {what}. Choose another "
+                         "hydra.run.dir (or run from a writable working directory for the default outputs/...).")
 
 
 # --- a run directory every rank agrees on ---------------------------------------------------------------

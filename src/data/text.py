@@ -39,15 +39,15 @@ class TokenWindows(Dataset):
 
 
 def split(tokens: np.ndarray, val_fraction: float, block_size: int, random_offset: bool = False,
-          seed: int = 0) -> tuple[TokenWindows, TokenWindows]:
+          seed: int = 0, path: str = "the data") -> tuple[TokenWindows, TokenWindows]:
     """The first (1 - val_fraction) of the stream trains, the rest validates (as nanoGPT does)."""
     n_train = int(len(tokens) * (1 - val_fraction))
     train = TokenWindows(tokens[:n_train], block_size, random_offset, seed)
     val = TokenWindows(tokens[n_train:], block_size)  # fixed windows: every evaluation measures the same thing
     if len(train) == 0 or len(val) == 0:
         raise ValueError(
-            f"{len(tokens)} tokens with val_fraction={val_fraction} leave no full window of "
-            f"block_size={block_size} for training or validation"
+            f"data.path={path}: {len(tokens)} tokens with data.val_fraction={val_fraction} leave no full window of "
+            f"data.block_size={block_size} for training or validation"
         )
     return train, val
 
@@ -90,11 +90,15 @@ class TextData(TokenStream):
         if level == "byte":
             tokens, self.vocab = np.frombuffer(raw, dtype=np.uint8), None
         else:
-            text = raw.decode("utf-8")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(f"data.path={path}: not UTF-8 text (byte {raw[error.start]:#04x} at offset "
+                                 f"{error.start}); use data.level=byte, or convert the file to UTF-8") from None
             self.vocab = sorted(set(text))
             index = {ch: i for i, ch in enumerate(self.vocab)}
             tokens = np.fromiter((index[ch] for ch in text), dtype=np.uint16, count=len(text))
-        self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed)
+        self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed, path)
 
     @model_size
     def vocab_size(self) -> int:
@@ -116,13 +120,17 @@ class TokenData(TokenStream):
         **stream,
     ):
         super().__init__(**stream)
-        tokens = np.memmap(_existing_file(path, "data.path"), dtype=np.uint16, mode="r")
+        file = _existing_file(path, "data.path")
+        if file.stat().st_size % 2:
+            raise ValueError(f"data.path={path}: {file.stat().st_size} bytes is not a multiple of 2 "
+                             "(a flat array of uint16 token ids)")
+        tokens = np.memmap(file, dtype=np.uint16, mode="r")
         # A cheap sanity check: ids >= vocab_size would index past the embedding (a CUDA assert on GPU).
         head_max = int(tokens[: 1 << 20].max()) if len(tokens) else 0
         if head_max >= vocab_size:
             raise ValueError(f"data.vocab_size={vocab_size} but {path} holds token id {head_max}")
         self._vocab_size = vocab_size
-        self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed)
+        self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed, path)
 
     @model_size
     def vocab_size(self) -> int:

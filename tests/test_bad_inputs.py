@@ -1,0 +1,93 @@
+"""Bad input of every kind gets one clear message naming the key or the file and what is allowed.
+
+Each row builds the data the way train.py does (`build`, which reports a user's mistake without Hydra's
+wrapping). Configuration mistakes have their own table in test_config.py; a real launch of each kind is there
+too (non-zero exit, no traceback, no run directory).
+"""
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from src.schema import UsageError, build
+from tests.test_config import compose_train
+from src.config import check_run_dir_can_be_made, complete_config
+
+
+def write(path, content: bytes):
+    path.write_bytes(content)
+    return str(path)
+
+
+CASES = {
+    "missing text file": (lambda d: {"_target_": "src.data.text.TextData", "path": str(d / "none.txt"),
+                                     "block_size": 8}, "data.path='{d}/none.txt': no such file"),
+    "empty text file": (lambda d: {"_target_": "src.data.text.TextData", "path": write(d / "e.txt", b""),
+                                   "block_size": 8}, "data.path={d}/e.txt: 0 tokens"),
+    "text too small for one window": (lambda d: {"_target_": "src.data.text.TextData",
+                                                 "path": write(d / "s.txt", b"hello"), "block_size": 8},
+                                      "leave no full window of data.block_size=8"),
+    "text that is not UTF-8": (lambda d: {"_target_": "src.data.text.TextData",
+                                          "path": write(d / "l.txt", b"caf\xe9 " * 100), "block_size": 8},
+                               "not UTF-8 text (byte 0xe9 at offset 3); use data.level=byte"),
+    "token file of an odd size": (lambda d: {"_target_": "src.data.text.TokenData", "path": write(d / "t.bin", b"abc"),
+                                             "vocab_size": 256, "block_size": 8},
+                                  "data.path={d}/t.bin: 3 bytes is not a multiple of 2"),
+    "token ids beyond the vocabulary": (
+        lambda d: {"_target_": "src.data.text.TokenData", "vocab_size": 10, "block_size": 8,
+                   "path": write(d / "v.bin", np.arange(200, dtype=np.uint16).tobytes())},
+        "data.vocab_size=10 but {d}/v.bin holds token id 199"),
+    "CIFAR directory without its files": (lambda d: {"_target_": "src.data.cifar10.Cifar10Data", "root": str(d)},
+                                          "must hold CIFAR-10's binary files"),
+    "CIFAR file of the wrong size": (
+        lambda d: {"_target_": "src.data.cifar10.Cifar10Data", "root": str(d),
+                   **{"_": [write(d / "data_batch_1.bin", b"x" * 3073 * 2 + b"y"), write(d / "test_batch.bin", b"")]}},
+        "{d}/data_batch_1.bin: size 6147 is not a multiple of the 3073-byte CIFAR record"),
+    "JSON Lines file with a broken line": (
+        lambda d: {"_target_": "src.data.jsonl.JsonlData", "block_size": 8,
+                   "path": write(d / "b.jsonl", b'{"text": "a b"}\nnot json\n')},
+        "{d}/b.jsonl:2: not a JSON object (Expecting value, column 1)"),
+    "JSON Lines file without the text key": (
+        lambda d: {"_target_": "src.data.jsonl.JsonlData", "block_size": 8,
+                   "path": write(d / "k.jsonl", b'{"body": "a b"}\n')},
+        "{d}/k.jsonl:1: no 'text' key (data.text_key); keys: ['body']"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_data_is_reported_naming_the_file_or_key_and_what_is_allowed(tmp_path, case):
+    make_node, message = CASES[case]
+    node = make_node(tmp_path)
+    node.pop("_", None)  # files the case wrote, not a parameter
+    with pytest.raises(UsageError) as refused:
+        build(OmegaConf.create(node), group="data")
+    assert message.format(d=tmp_path) in str(refused.value)
+
+
+def test_a_batch_larger_than_the_training_set_is_refused():
+    from src.data.text import TextData
+
+    with pytest.raises(UsageError, match=r"data.batch_size=100000 is larger than the training set"):
+        TextData(path="data/tinyshakespeare.txt", block_size=64, batch_size=100000).train_dataloader()
+
+
+@pytest.mark.parametrize("run_dir, message", [("/proc/no/run", "/proc is not writable"),
+                                              ("README.md/run", "README.md is not a directory")])
+def test_an_impossible_run_dir_is_refused_before_hydra_creates_it(run_dir, message):
+    with pytest.raises(UsageError, match=rf"hydra.run.dir={run_dir} cannot be created: .*{message}"):
+        check_run_dir_can_be_made(run_dir)
+
+
+def test_eval_or_checkpoint_intervals_longer_than_the_run_warn():
+    warnings = []
+    complete_config(compose_train(["trainer.max_steps=5", "trainer.eval_every=10", "trainer.checkpoint_every=20",
+                                   "scheduler.warmup_steps=1"]), warnings)
+    assert any("trainer.eval_every=10 > trainer.max_steps=5" in w for w in warnings)
+    assert any("trainer.checkpoint_every=20 > trainer.max_steps=5: only the end" in w for w in warnings)
+
+
+def test_resume_from_something_that_is_not_a_checkpoint_is_refused(tmp_path):
+    from src.checkpoint import resume_source
+
+    with pytest.raises(UsageError, match=r"resume=.*: not a checkpoint directory"):
+        resume_source(str(tmp_path), tmp_path / "run")
