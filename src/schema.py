@@ -387,4 +387,6 @@ def describe(target: str | Callable) -> str:
 if __name__ == "__main__":
     import sys
 
-    print(describe(sys.argv[1]))
+    from src import schema  # the components import src.schema, whose Arg is not this __main__'s
+
+    print(schema.describe(sys.argv[1]))

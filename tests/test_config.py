@@ -2,6 +2,7 @@
 stop before any run directory exists."""
 
 import inspect
+import re
 
 import pytest
 import yaml
@@ -189,3 +190,13 @@ def test_fp16_without_cuda_is_refused_before_the_run_starts(tmp_path):
     assert proc.returncode != 0
     assert "mixed precision fp16 (config: trainer.mixed_precision) needs a CUDA GPU" in proc.stdout
     assert not (tmp_path / "run").exists()
+
+
+def test_python_m_src_schema_prints_every_key_with_its_type_default_and_help():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "src.schema", "src.models.gpt.GPT"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert re.search(r"block_size\s+int\s+64\s+context length in tokens", out), out
+    assert re.search(r"vocab_size\s+int\s+\(mandatory\)", out), out
