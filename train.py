@@ -101,10 +101,10 @@ def main(cfg: DictConfig) -> None:
     windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps, accumulation)
     for window in telemetry.timed_windows(windows):
         hang_watch.beat(state.step)
-        step_targets = global_target_count(accelerator, objective, window)
+        window = [split_batch(batch, objective.target_key) for batch in window]  # (inputs, targets) pairs
+        step_targets = global_target_count(accelerator, objective, [targets for _, targets in window])
         step_loss_sum = 0.0
-        for batch in window:
-            inputs, targets = split_batch(batch, objective.target_key)
+        for inputs, targets in window:
             if state.step == 0:
                 objective.check_batch(inputs, targets)
             with accelerator.accumulate(model):

@@ -14,7 +14,6 @@ from typing import Iterator
 import torch
 from accelerate import Accelerator
 
-from src.batches import split_batch
 from src.objectives import Objective
 from src.train_state import TrainState
 
@@ -50,9 +49,9 @@ def _micro_batches(accelerator: Accelerator, loader, state: TrainState, max_step
         state.batches_into_epoch = 0
 
 
-def global_target_count(accelerator: Accelerator, objective: Objective, window: list) -> torch.Tensor:
+def global_target_count(accelerator: Accelerator, objective: Objective, window_targets: list) -> torch.Tensor:
     """How many targets the whole global batch of this optimizer step counts, on every rank."""
-    local = sum(objective.count(split_batch(batch, objective.target_key)[1]) for batch in window)
+    local = sum(objective.count(targets) for targets in window_targets)
     local = torch.as_tensor(local, device=accelerator.device).float()
     return accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
 

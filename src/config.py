@@ -24,7 +24,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed import TCPStore
 
-from src.schema import Arg, ConfigError, UsageError, check_values, complete, data_size_references, locate, schema_of
+from src.schema import (Arg, ConfigError, UsageError, check_values, chosen_option, complete, data_size_references,
+                        locate, schema_of)
 
 __all__ = ["TrainerConfig", "complete_config", "ConfigError", "UsageError", "ValidateConfig"]
 
@@ -128,7 +129,7 @@ def complete_config(cfg: DictConfig, warnings: Optional[list[str]] = None) -> Di
     if provided is not None:
         for key, name in data_size_references(out.model, "model"):
             if name not in provided:
-                problems.append(f"{key}=${{dataset:{name}}}, but data={_choice(out, 'data')} ({out.data._target_}) "
+                problems.append(f"{key}=${{dataset:{name}}}, but data={chosen_option(out, 'data')} ({out.data._target_}) "
                                 f"provides only: {', '.join(provided) or 'no sizes'}")
     if not problems:  # cross-checks assume each value is of its type
         problems += _cross_checks(out, warnings if warnings is not None else [])
@@ -154,12 +155,12 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
     objective_cls = locate(cfg.objective._target_)
     metrics = [f"eval/{name}" for name in getattr(objective_cls, "metric_names", ("loss",))]
     if trainer.monitor is not None and trainer.monitor not in metrics:
-        problems.append(f"trainer.monitor={trainer.monitor} is not a metric objective={_choice(cfg, 'objective')} "
+        problems.append(f"trainer.monitor={trainer.monitor} is not a metric objective={chosen_option(cfg, 'objective')} "
                         f"({cfg.objective._target_}) reports: choose one of {', '.join(metrics)}, or null")
     data_cls = locate(cfg.data._target_)
     if getattr(data_cls, "targets_are_inputs", False) and not getattr(objective_cls, "shifts_targets", False):
-        problems.append(f"data={_choice(cfg, 'data')} gives targets equal to the inputs (Hugging Face's labels "
-                        f"convention), which objective={_choice(cfg, 'objective')} does not shift: the model would "
+        problems.append(f"data={chosen_option(cfg, 'data')} gives targets equal to the inputs (Hugging Face's labels "
+                        f"convention), which objective={chosen_option(cfg, 'objective')} does not shift: the model would "
                         "learn to copy its input. Use objective=causal_lm.")
     for key in ("eval_every", "checkpoint_every"):
         if trainer[key] > trainer.max_steps:
@@ -170,10 +171,6 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
         warnings.append(f"scheduler.warmup_steps={warmup} >= trainer.max_steps={trainer.max_steps}: the learning "
                         "rate never leaves its warm-up")
     return problems
-
-
-def _choice(cfg: DictConfig, group: str) -> str:
-    return str(OmegaConf.select(cfg, f"hydra.runtime.choices.{group}", default=None) or "(your choice)")
 
 
 class ValidateConfig(Callback):

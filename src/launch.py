@@ -109,20 +109,17 @@ def launch_settings(trainer: DictConfig) -> LaunchSettings:
             Setting(args.gradient_accumulation_steps, "launcher: --gradient_accumulation_steps")
             if args.gradient_accumulation_steps else Setting(file_accumulation, f"launcher: {in_file}")
             if file_accumulation is not None else None)
-        requested = (Setting(args.num_processes, "launcher: --num_processes") if args.num_processes
-                     else Setting(file.get("num_processes") or 1, f"launcher: {in_file}"))
     else:  # python / torchrun: the variables accelerate's launcher would have set, if the user set them
         env_precision, env_accumulation = (os.environ.get(f"ACCELERATE_{k}") for k in
                                            ("MIXED_PRECISION", "GRADIENT_ACCUMULATION_STEPS"))
         launcher_precision = Setting(env_precision, "environment: ACCELERATE_MIXED_PRECISION") if env_precision else None
         launcher_accumulation = (Setting(int(env_accumulation), "environment: ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
                                  if env_accumulation else None)
-        requested = Setting(1, "default")
     settings = LaunchSettings(
         mixed_precision=_decide("trainer.mixed_precision", trainer.mixed_precision, launcher_precision, "no"),
         gradient_accumulation_steps=_decide("trainer.gradient_accumulation_steps",
                                             trainer.gradient_accumulation_steps, launcher_accumulation, 1),
-        requested_processes=requested,
+        requested_processes=requested_processes(args, path, file),
     )
     if settings.mixed_precision.value == "fp16" and not torch.cuda.is_available():
         raise UsageError(f"mixed precision fp16 ({settings.mixed_precision.source}) needs a CUDA GPU: on CPU "
@@ -208,7 +205,9 @@ def check_process_count(accelerator: Accelerator, requested: Optional[Setting] =
             f"no process group ({accelerator.distributed_type}), so each would train alone and overwrite the "
             f"others' files. Launch with: {cpu_ddp_hint(world_size)}"
         )
-    requested = requested or launch_settings_requested()
+    if requested is None:
+        args = parent_launch_args()
+        requested = requested_processes(args, *(launcher_config_file(args) if args else (None, {})))
     if world_size == 1 and requested.value > 1:
         banner = "!" * 100
         log.warning(
@@ -219,13 +218,12 @@ def check_process_count(accelerator: Accelerator, requested: Optional[Setting] =
         )
 
 
-def launch_settings_requested() -> Setting:
-    args = parent_launch_args()
+def requested_processes(args: Optional[argparse.Namespace], path: Optional[str], file: dict) -> Setting:
+    """How many processes the launcher was asked for: --num_processes, else its config file's answer."""
     if args is None:
         return Setting(1, "default")
     if args.num_processes:
         return Setting(args.num_processes, "launcher: --num_processes")
-    path, file = launcher_config_file(args)
     return Setting(file.get("num_processes") or 1, f"launcher: config file {path}")
 
 

@@ -32,6 +32,7 @@ from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
 # Keys Hydra's instantiate reads; they are not parameters of the target.
 INSTANTIATE_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 DATA_SIZE = re.compile(r"\$\{dataset:(\w+)\}")
+BOUND_HOLDS = {">=": lambda v, b: v >= b, ">": lambda v, b: v > b, "<=": lambda v, b: v <= b, "<": lambda v, b: v < b}
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,11 @@ class Arg:
     def violation(self, value: Any) -> Optional[str]:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             return None
-        for bound, symbol, holds in (("ge", ">=", value.__ge__), ("gt", ">", value.__gt__),
-                                     ("le", "<=", value.__le__), ("lt", "<", value.__lt__)):
-            limit = getattr(self, bound)
-            if limit is not None and not holds(limit):
-                allowed = " and ".join(f"{s} {getattr(self, b)}" for b, s in
-                                       (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
-                                       if getattr(self, b) is not None)
-                return f"is out of range: must be {allowed}"
-        return None
+        bounds = [(symbol, limit) for symbol, limit in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+                  if limit is not None]
+        if all(BOUND_HOLDS[symbol](value, limit) for symbol, limit in bounds):
+            return None
+        return "is out of range: must be " + " and ".join(f"{symbol} {limit}" for symbol, limit in bounds)
 
 
 class UsageError(CompactHydraException):
@@ -207,9 +204,7 @@ def complete(node: DictConfig, schema: Schema, path: str, supplied: tuple[str, .
     problems, out = [], {}
     raw = OmegaConf.to_container(node, resolve=False)
     for key, value in raw.items():
-        if key in INSTANTIATE_KEYS:
-            out[key] = value
-        elif key in schema.params or schema.open:
+        if key in INSTANTIATE_KEYS or key in schema.params or schema.open:
             out[key] = value
         else:
             hint = difflib.get_close_matches(key, schema.params, n=1)
@@ -247,7 +242,7 @@ def check_values(cfg: DictConfig, group: str, schema: Schema) -> list[str]:
             problems.append(_missing_interpolation(full_key, OmegaConf.to_container(node)[key], cfg, error))
             continue
         except InterpolationResolutionError as error:
-            if isinstance(error.__cause__, DataSizeUnknown) or "DataSizeUnknown" in str(error):
+            if DataSizeUnknown.__name__ in str(error):  # OmegaConf names the resolver's exception, not chains it
                 continue  # resolved once the data is built
             problems.append(f"{full_key}: {error}")
             continue
@@ -271,12 +266,13 @@ def _missing_interpolation(full_key: str, raw: Any, cfg: DictConfig, error: Exce
     if referenced and "." in referenced.group(1):
         group, _, key = referenced.group(1).partition(".")
         target = OmegaConf.select(cfg, f"{group}._target_", default="?")
-        return (f"{full_key}={raw}, but {group}={_choice(cfg, group)} ({target}) has no {key!r}: "
+        return (f"{full_key}={raw}, but {group}={chosen_option(cfg, group)} ({target}) has no {key!r}: "
                 f"set {full_key}=VALUE")
     return f"{full_key}={raw}: {error}"
 
 
-def _choice(cfg: DictConfig, group: str) -> str:
+def chosen_option(cfg: DictConfig, group: str) -> str:
+    """The option name of a group (model=gpt), for messages; Hydra records it in the config it composes."""
     return str(OmegaConf.select(cfg, f"hydra.runtime.choices.{group}", default=None) or "(your choice)")
 
 

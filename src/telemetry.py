@@ -148,7 +148,8 @@ class Telemetry:
         self.phases: dict[str, float] = defaultdict(float)  # seconds per phase, over the whole run
         self.loop_started: Optional[float] = None
         self._reset_interval()
-        self.totals = {"steps": 0, "samples": 0, "targets": 0.0}
+        self.total_steps = 0
+        self.total_targets = torch.zeros((), device=accelerator.device)  # global counts, summed on the device
 
     def _reset_interval(self) -> None:
         self.interval_started = time.perf_counter()
@@ -178,7 +179,9 @@ class Telemetry:
     def step_finished(self, counted_targets: torch.Tensor) -> None:
         """`counted_targets`: the step's global count of targets (src/accumulation.py's global_target_count)."""
         self.interval_steps += 1
+        self.total_steps += 1
         self.interval_targets += counted_targets.detach()  # stays on the device: no sync
+        self.total_targets += counted_targets.detach()
         if self.profiler is not None:
             self.profiler.step()
 
@@ -200,9 +203,6 @@ class Telemetry:
         slowest = self.accelerator.reduce(local, "max") if self.accelerator.num_processes > 1 else local
         step_time, data_wait = slowest.tolist()
         targets = self.interval_targets.item()  # already global: each step's count was all-reduced for the loss
-        self.totals["steps"] += self.interval_steps
-        self.totals["samples"] += self.interval_steps * self.samples_per_step
-        self.totals["targets"] += targets
         out = {"train/step_time": step_time, "train/data_wait": data_wait,
                "train/samples_per_second": self.samples_per_step / step_time,
                "train/tokens_per_second": targets / (step_time * steps)}
@@ -236,7 +236,7 @@ class Telemetry:
             self.profiler = None
         wall = time.time() - self.process_started
         training = time.perf_counter() - self.loop_started if self.loop_started else 0.0
-        throughput = self.totals["targets"] / training if training else 0.0
+        throughput = self.total_targets.item() / training if training else 0.0
         peak_rss = self.accelerator.reduce(torch.tensor(peak_rss_gib(), device=self.accelerator.device), "max") \
             if self.accelerator.num_processes > 1 else torch.tensor(peak_rss_gib())
         summary = {
@@ -249,7 +249,7 @@ class Telemetry:
                        "of which evaluation": self.phases["evaluation"],
                        "of which checkpointing": self.phases["checkpointing"],
                        "of which data wait": self.phases["data wait"]},
-            "samples_per_second": self.totals["samples"] / training if training else 0.0,
+            "samples_per_second": self.total_steps * self.samples_per_step / training if training else 0.0,
             "tokens_per_second": throughput,
             "mfu": self.mfu(throughput),
             "peak_memory_gib": {"rss_max_over_ranks": peak_rss.item(),

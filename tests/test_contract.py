@@ -60,12 +60,12 @@ def test_launcher_gradient_accumulation_is_honoured_and_shown_with_its_source(tm
 
 
 def test_a_multi_cpu_config_file_asking_for_two_processes_warns_with_the_command_that_works(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the launcher behaves differently")
     config = tmp_path / "accelerate.yaml"
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
                       "num_machines: 1\nmachine_rank: 0\n")
     proc = accelerate_launch(["--config_file", str(config)], [*SMALL, f"hydra.run.dir={tmp_path / 'run'}"])
-    if torch.cuda.is_available():
-        pytest.skip("with CUDA the launcher behaves differently")
     assert "The launcher was asked for 2 processes (launcher: config file" in proc.stdout, proc.stdout[-3000:]
     assert "accelerate launch --multi_gpu --num_processes 2 train.py" in proc.stdout
 
