@@ -19,7 +19,7 @@ from accelerate.utils import set_seed
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from src.accumulation import accumulation_windows, global_target_count, loss_for_backward
+from src.accumulation import accumulation_windows, global_target_count, loss_for_backward, steps_per_epoch
 from src.auto_batch import find_micro_batch
 from src.batches import call_model, split_batch
 from src.checkpoint import Checkpointer, config_for_resume, load_checkpoint, resume_source
@@ -74,14 +74,16 @@ def main(cfg: DictConfig) -> None:
     optimizer = build(cfg.optimizer, param_groups(model), group="optimizer")
     scheduler = build(cfg.scheduler, optimizer, group="scheduler")
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader(trainer.eval_batches)
+    state = TrainState(batch_size=data.batch_size, num_processes=accelerator.num_processes,
+                       gradient_accumulation_steps=accumulation)
+    epoch_steps = steps_per_epoch(data.train, state.global_batch, state.layout())  # whole global batches
 
     # Prepare: device placement, DDP wrapping, autocast, data sharding.
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler
     )
-    state = TrainState()
     if checkpoint:
-        load_checkpoint(accelerator, checkpoint, state)
+        load_checkpoint(accelerator, checkpoint, state, trainer.seed)  # on this layout: the global batch must match
     start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, launch, run_dir), state.step)
     export = lambda directory: export_model(accelerator, model, cfg.model, directory)  # noqa: E731
     checkpointer = Checkpointer(accelerator, run_dir, cfg, export)
@@ -92,13 +94,12 @@ def main(cfg: DictConfig) -> None:
     # Loop: one iteration per optimizer step, over a window of `accumulation` micro-batches whose loss is
     # normalised by the targets of the whole global batch (src/accumulation.py).
     max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
-    samples_per_step = cfg.data.get("batch_size", 0) * accelerator.num_processes * accumulation
-    telemetry = Telemetry(accelerator, model, samples_per_step, trainer.mixed_precision, trainer.peak_tflops,
+    telemetry = Telemetry(accelerator, model, state.global_batch, trainer.mixed_precision, trainer.peak_tflops,
                           process_start_time(), trainer.profile, run_dir)
     progress = Progress(trainer.max_steps, state.step, accelerator.is_main_process, trainer.progress_interval_s)
     step_loss, metrics = None, {}
     model.train()
-    windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps, accumulation)
+    windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps, accumulation, epoch_steps)
     for window in telemetry.timed_windows(windows):
         hang_watch.beat(state.step)
         window = [split_batch(batch, objective.target_key) for batch in window]  # (inputs, targets) pairs

@@ -9,44 +9,66 @@ K x W / count: `accelerator.backward` divides by K (accumulation steps) and DDP 
 This is the recipe of accelerate's guide "Gradient accumulation on training samples of variable size".
 """
 
-from typing import Iterator
+import itertools
+from collections.abc import Sized
+from typing import Iterator, Optional
 
 import torch
 from accelerate import Accelerator
 
 from src.objectives import Objective
+from src.schema import UsageError
 from src.train_state import TrainState
 
 
-def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, max_steps: int,
-                         accumulation: int) -> Iterator[list]:
-    """Lists of `accumulation` micro-batches, one per optimizer step, epoch after epoch until max_steps,
-    starting where `state` says. Windows run across epoch ends, so each has exactly `accumulation` batches."""
-    window = []
-    for batch in _micro_batches(accelerator, loader, state, max_steps):
-        window.append(batch)
-        if len(window) == accumulation:
-            yield window
-            window = []
+def steps_per_epoch(dataset, global_batch: int, layout: str) -> Optional[int]:
+    """Optimizer steps in one epoch: whole global batches only (None for a dataset without a length).
+
+    Step s of an epoch then takes samples [s*G, (s+1)*G) of the epoch's shuffle order on every layout of the
+    same global batch G: accelerate shards the sampler's batches round-robin over processes, so micro-step k
+    of process r holds batch (s*K + k)*P + r. That is what lets a run resume on another number of processes.
+    The tail of fewer than G samples is left to later epochs' shuffles, as drop_last does on one process.
+    """
+    if not isinstance(dataset, Sized):
+        return None
+    steps = len(dataset) // global_batch
+    if steps == 0:
+        raise UsageError(
+            f"the training set ({len(dataset)} samples) is smaller than one global batch of {global_batch} "
+            f"samples ({layout}): lower data.batch_size or trainer.gradient_accumulation_steps, or use more data"
+        )
+    return steps
 
 
-def _micro_batches(accelerator: Accelerator, loader, state: TrainState, max_steps: int) -> Iterator:
-    """The shuffle order is a function of (seed, epoch) (accelerate's seedable sampler, set_epoch before
-    iterating), so skipping the batches already consumed continues an interrupted epoch exactly."""
+def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, max_steps: int, accumulation: int,
+                         epoch_steps: Optional[int]) -> Iterator[list]:
+    """Lists of `accumulation` micro-batches, one per optimizer step, `epoch_steps` per epoch, until
+    max_steps, starting where `state` says.
+
+    The shuffle order is a function of (seed, epoch) (accelerate's seedable sampler, set_epoch before
+    iterating), so skipping the samples already consumed continues an interrupted epoch exactly. The
+    position is counted in samples of all processes together, so it means the same on any layout.
+    """
+    per_micro_step = loader.total_batch_size  # samples all processes take in one micro-step
     while state.step < max_steps:
         loader.set_epoch(state.epoch)
         if hasattr(loader.dataset, "set_epoch"):  # accelerate forwards it only for some sampler layouts
             loader.dataset.set_epoch(state.epoch)
-        epoch_loader = loader
-        if state.batches_into_epoch:
-            epoch_loader = accelerator.skip_first_batches(loader, state.batches_into_epoch)
-        for batch in epoch_loader:
+        done_steps = state.samples_into_epoch // (per_micro_step * accumulation)
+        remaining = itertools.count() if epoch_steps is None else range(epoch_steps - done_steps)
+        epoch_loader = accelerator.skip_first_batches(loader, done_steps * accumulation) if done_steps else loader
+        batches = iter(epoch_loader)
+        for _ in remaining:
+            window = list(itertools.islice(batches, accumulation))
+            if len(window) < accumulation:  # a dataset without a length ended: its partial window waits
+                break
+            state.samples_into_epoch += per_micro_step * accumulation
+            yield window
             if state.step >= max_steps:
                 return
-            state.batches_into_epoch += 1
-            yield batch
+        epoch_loader.end()  # an epoch cut at whole global batches never reaches the loader's own end
         state.epoch += 1
-        state.batches_into_epoch = 0
+        state.samples_into_epoch = 0
 
 
 def global_target_count(accelerator: Accelerator, objective: Objective, window_targets: list) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import load as safe_load
+from accelerate.utils import load as safe_load, set_seed
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
@@ -46,6 +46,9 @@ SAFE_ON_RESUME = {
     "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads", "data.num_workers",
 }
 DATA_SIZE_PLACEHOLDER = "${dataset:"
+# How the global batch is split may change (e.g. a requeued job given fewer GPUs): load_checkpoint checks
+# that the global batch itself does not.
+LAYOUT_ON_RESUME = {"data.batch_size", "trainer.gradient_accumulation_steps"}
 # null in a config means "the launcher decides"; a checkpoint records the value that was in effect.
 LAUNCHER_SETTABLE = {"trainer.mixed_precision", "trainer.gradient_accumulation_steps"}
 
@@ -113,7 +116,7 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
             continue  # the checkpoint's value stands; launch_settings then checks the launcher against it
         if new == old or not any(_under(leaf, scope) for scope in scopes):
             continue
-        if leaf in SAFE_ON_RESUME:
+        if leaf in SAFE_ON_RESUME | LAYOUT_ON_RESUME:
             OmegaConf.update(saved, leaf, new, force_add=True)
             changed.append(f"{leaf}: {old} -> {new}")
         else:
@@ -121,7 +124,8 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     if refused:
         raise UsageError(
             f"Cannot resume from {checkpoint} with a different model or setup:\n  " + "\n  ".join(refused)
-            + f"\nOnly these may change on resume: {', '.join(sorted(SAFE_ON_RESUME))}. "
+            + f"\nOnly these may change on resume: {', '.join(sorted(SAFE_ON_RESUME | LAYOUT_ON_RESUME))} "
+            f"({' and '.join(sorted(LAYOUT_ON_RESUME))} only while the global batch stays the same). "
             "Start a new run (another hydra.run.dir) to change anything else."
         )
     for line in changed:
@@ -324,21 +328,60 @@ def _check_sharded_state(directory: Path) -> None:
             raise ValueError(f"shard {shard} holds {actual or 0} bytes, the metadata lists {size}")
 
 
-def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainState) -> None:
-    """Restore model, optimizer, scheduler, scaler, RNG states and counters (after accelerator.prepare)."""
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainState, seed: int) -> None:
+    """Restore model, optimizer, scheduler, scaler, RNG states and counters (after accelerator.prepare).
+
+    `state` holds this launch's layout; the checkpoint may have been written by another one of the same
+    global batch (src/accumulation.py: every step then sees the same samples).
+    """
     check_readable(checkpoint)
+    saved = json.loads((checkpoint / STATE_FILE).read_text())
+    same_layout = _check_layout(saved, state, checkpoint)
     rng_file = checkpoint / f"random_states_{accelerator.process_index}.pkl"
-    if not rng_file.is_file():
-        raise UsageError(f"{rng_file} is missing: this checkpoint was written by fewer processes, so the "
-                         f"random state of rank {accelerator.process_index} cannot be restored")
+    if same_layout and not rng_file.is_file():
+        raise UsageError(f"{rng_file} is missing: the random state of rank {accelerator.process_index} cannot be "
+                         "restored, so resuming would not be exact")
     accelerator.load_state(str(checkpoint))  # loads with torch.load(weights_only=True)
-    # accelerate only logs "Could not load random states" at INFO when RNG restore fails: verify it.
-    saved_rng = safe_load(rng_file)["torch_manual_seed"]
-    if not torch.equal(torch.get_rng_state(), saved_rng):
-        raise RuntimeError(f"the RNG state in {rng_file} was not restored; resuming would not be exact")
-    state.load_state_dict(json.loads((checkpoint / STATE_FILE).read_text()))
-    log.info("resumed from %s at step %d (epoch %d, %d batches in)", checkpoint, state.step, state.epoch,
-             state.batches_into_epoch)
+    if same_layout:
+        # accelerate only logs "Could not load random states" at INFO when RNG restore fails: verify it.
+        if not torch.equal(torch.get_rng_state(), safe_load(rng_file)["torch_manual_seed"]):
+            raise RuntimeError(f"the RNG state in {rng_file} was not restored; resuming would not be exact")
+    elif not rng_file.is_file():  # a rank the writing run did not have: its own stream, not rank 0's copy
+        set_seed(seed + 1_000_003 * (saved["step"] + 1) + accelerator.process_index)
+    state.load_state_dict({key: value for key, value in saved.items() if key in POSITION_KEYS})
+    log.info("resumed from %s at step %d (epoch %d, %d samples in)", checkpoint, state.step, state.epoch,
+             state.samples_into_epoch)
+
+
+POSITION_KEYS = ("step", "epoch", "samples_into_epoch", "best_metric", "best_step")
+
+
+def _check_layout(saved: dict, state: TrainState, checkpoint: Path) -> bool:
+    """Whether the checkpoint was written on this launch's layout; refuses another global batch."""
+    if "samples_into_epoch" not in saved:  # written before positions were kept in samples: same layout assumed
+        saved["samples_into_epoch"] = saved.pop("batches_into_epoch", 0) * state.batch_size * state.num_processes
+        return True
+    written = TrainState(**{key: saved[key] for key in ("batch_size", "num_processes", "gradient_accumulation_steps")})
+    if written.global_batch != state.global_batch:
+        per_micro_step = state.batch_size * state.num_processes
+        keep = (f"trainer.gradient_accumulation_steps={written.global_batch // per_micro_step} keeps it on "
+                f"{state.num_processes} process(es)" if written.global_batch % per_micro_step == 0 else
+                f"no accumulation keeps it with data.batch_size={state.batch_size} on {state.num_processes} "
+                f"process(es): choose data.batch_size x processes x trainer.gradient_accumulation_steps = "
+                f"{written.global_batch}")
+        raise UsageError(
+            f"Cannot resume {checkpoint} with another global batch: it was trained with {written.global_batch} "
+            f"samples per optimizer step ({written.layout()}), this launch has {state.global_batch} "
+            f"({state.layout()}). {keep}."
+        )
+    if (written.batch_size, written.num_processes) == (state.batch_size, state.num_processes):
+        return True
+    log.warning(
+        "resume: the checkpoint was written with %s, this launch has %s. The global batch is the same, so every "
+        "optimizer step sees the same samples as it would have; randomness drawn per process (dropout, "
+        "augmentation from the global RNG) continues statistically, not bitwise, the same.",
+        written.layout(), state.layout())
+    return False
 
 
 def run_config_for(path: Path) -> DictConfig:

@@ -151,8 +151,8 @@ def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Pa
         mixed_precision=settings.mixed_precision.value,
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=settings.gradient_accumulation_steps.value,
-            # Accumulation windows run across epoch ends, so every optimizer step averages exactly
-            # gradient_accumulation_steps full micro-batches (no under-weighted tail window).
+            # The loop cuts each epoch at whole global batches (src/accumulation.py), before the loader's end,
+            # so every optimizer step averages exactly gradient_accumulation_steps full micro-batches.
             sync_with_dataloader=False,
         ),
         # A seedable sampler makes the shuffle order a function of (seed, epoch): what mid-epoch resume needs.

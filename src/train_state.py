@@ -8,9 +8,25 @@ from typing import Optional
 class TrainState:
     step: int = 0  # optimizer steps taken
     epoch: int = 0
-    batches_into_epoch: int = 0  # micro-batches of `epoch` already consumed (per process)
+    # Samples of `epoch` already consumed by all processes together: a position that means the same on any
+    # number of processes, so a checkpoint written by N processes resumes on M (src/accumulation.py).
+    samples_into_epoch: int = 0
     best_metric: Optional[float] = None  # trainer.monitor's best value so far
     best_step: Optional[int] = None  # the step whose checkpoint holds it
+    # The layout that consumed them: per-process micro-batch x processes x accumulation = the global batch.
+    batch_size: Optional[int] = None
+    num_processes: Optional[int] = None
+    gradient_accumulation_steps: Optional[int] = None
+
+    @property
+    def global_batch(self) -> Optional[int]:
+        if None in (self.batch_size, self.num_processes, self.gradient_accumulation_steps):
+            return None
+        return self.batch_size * self.num_processes * self.gradient_accumulation_steps
+
+    def layout(self) -> str:
+        return (f"data.batch_size={self.batch_size} x {self.num_processes} process(es) x "
+                f"trainer.gradient_accumulation_steps={self.gradient_accumulation_steps}")
 
     def state_dict(self) -> dict:
         return asdict(self)

@@ -1,5 +1,6 @@
 """Checkpoints never lose a run: a killed run resumes to exactly the uninterrupted run's losses."""
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -29,7 +30,9 @@ def resumable_args(small_text: Path, max_steps: int) -> list[str]:
 
 
 def kill_when(args: list[str], nproc: int, ready, timeout: float = 120) -> None:
-    """Start a real launch and SIGKILL its whole process group the moment `ready()` holds."""
+    """Start a real launch and SIGKILL the launcher and every process under it the moment `ready()` holds,
+    as a node failure would (torch's elastic agent starts each worker in its own session, so killing the
+    launcher's process group alone would leave the workers running)."""
     proc = subprocess.Popen(launch_command("train.py", nproc) + args, cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout
@@ -39,8 +42,27 @@ def kill_when(args: list[str], nproc: int, ready, timeout: float = 120) -> None:
             assert time.monotonic() < deadline, "the kill point never came"
             time.sleep(0.002)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in process_tree(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants, from /proc (SIGSTOPped first, so none can start another meanwhile)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
 
 
 def step_dirs(run_dir: Path) -> list[str]:
@@ -66,6 +88,63 @@ def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupt
     assert got == expected  # bitwise: float32 values as logged
     assert scalars(resumed, "train/lr") == scalars(reference, "train/lr")
     assert max_abs_diff(exported_weights(reference), exported_weights(resumed)) == 0
+
+
+@pytest.fixture(scope="module")
+def two_epoch_text(tmp_path_factory) -> Path:
+    """8 kB: 28 optimizer steps of global batch 8 per epoch, so a 60-step run crosses two epoch boundaries."""
+    path = tmp_path_factory.mktemp("text") / "two_epochs.txt"
+    path.write_bytes((ROOT / "data" / "tinyshakespeare.txt").read_bytes()[:8000])
+    return path
+
+
+def global_batch_8_args(text: Path) -> list[str]:
+    return [*TINY_GPT, *QUIET, f"data.path={text}", "data.batch_size=4", "trainer.max_steps=60",
+            "trainer.checkpoint_every=10", "trainer.monitor=null", "trainer.keep_last_checkpoints=20",
+            "scheduler.warmup_steps=10"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_global_batch_8(two_epoch_text, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("layout") / "uninterrupted"
+    run([*global_batch_8_args(two_epoch_text), "trainer.gradient_accumulation_steps=1", f"hydra.run.dir={run_dir}"],
+        nproc=2)
+    return run_dir
+
+
+@pytest.mark.parametrize("before, after", [((2, 1), (1, 2)), ((1, 2), (2, 1))],
+                         ids=["2_processes_to_1_with_accumulation_2", "1_process_accumulating_2_to_2_processes"])
+def test_a_checkpoint_resumes_on_another_number_of_processes_with_the_same_global_batch(
+        tmp_path, two_epoch_text, uninterrupted_global_batch_8, before, after):
+    """Killed after crossing an epoch boundary, resumed on the other layout of global batch 8 (batch 4 x
+    processes x accumulation): every step's loss and the final weights match the uninterrupted 2-process run."""
+    (nproc, accumulation), (new_nproc, new_accumulation) = before, after
+    run_dir = tmp_path / "run"
+    args = [*global_batch_8_args(two_epoch_text), f"hydra.run.dir={run_dir}"]
+    kill_when([*args, f"trainer.gradient_accumulation_steps={accumulation}"], nproc,
+              ready=lambda: (run_dir / "checkpoints" / "step_00000030").is_dir())
+    assert not (run_dir / "model").exists()
+    proc = run([*args, f"trainer.gradient_accumulation_steps={new_accumulation}", "resume=auto"], nproc=new_nproc)
+    assert "resumed from" in proc.stdout and "epoch 1," in proc.stdout  # mid-way through the second epoch
+    assert "continues statistically, not bitwise, the same" in proc.stdout
+
+    expected, got = scalars(uninterrupted_global_batch_8, "train/loss"), scalars(run_dir, "train/loss")
+    assert sorted(got) == list(range(1, 61))
+    assert max(abs(got[step] - expected[step]) for step in expected) <= 1e-5
+    assert max_abs_diff(exported_weights(uninterrupted_global_batch_8), exported_weights(run_dir)) <= 1e-5
+
+
+def test_resuming_with_another_global_batch_is_refused_naming_the_accumulation_that_keeps_it(
+        tmp_path, two_epoch_text, uninterrupted_global_batch_8):
+    fork = tmp_path / "fork"
+    checkpoint = uninterrupted_global_batch_8 / "checkpoints" / "step_00000030"
+    proc = run([*global_batch_8_args(two_epoch_text), f"resume={checkpoint}", f"hydra.run.dir={fork}"], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout
+    assert (f"Cannot resume {checkpoint} with another global batch: it was trained with 8 samples per optimizer step "
+            "(data.batch_size=4 x 2 process(es) x trainer.gradient_accumulation_steps=1), this launch has 4 "
+            "(data.batch_size=4 x 1 process(es) x trainer.gradient_accumulation_steps=1). "
+            "trainer.gradient_accumulation_steps=2 keeps it on 1 process(es).") in proc.stdout
+    assert not any(fork.rglob("*.safetensors"))
 
 
 def test_resume_reproduces_augmented_image_training_with_loader_workers(tmp_path, cifar_root):
