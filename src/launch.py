@@ -10,6 +10,8 @@ import gc
 import logging
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -176,7 +178,29 @@ def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Pa
     check_process_count(accelerator, settings.requested_processes)
     check_same_run_dir(accelerator, run_dir)
     use_cpu_threads(accelerator, trainer.cpu_threads)
+    exit_with_the_launcher()
     return accelerator
+
+
+def exit_with_the_launcher(poll_s: float = 1.0) -> None:
+    """A worker of torch's elastic agent (accelerate launch --multi_gpu, torchrun) ends when the agent dies.
+
+    The agent starts each worker in its own session, so a SIGKILLed launcher (`kill -9`, an OOM kill) leaves
+    the workers training on, unseen, writing into the run dir a resumed run then also writes into. A daemon
+    thread notices the worker being re-parented and ends it; a signal to the agent is still forwarded as before.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # a plain `python train.py` (or srun's own tasks) may outlive its shell by design, e.g. nohup
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        log.error("the launcher (pid %d) is gone: this worker (pid %d) stops rather than train on orphaned",
+                  launcher, os.getpid())
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 def quiet_other_ranks(accelerator: Accelerator) -> None:

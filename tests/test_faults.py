@@ -102,6 +102,41 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_workers_stop_when_their_launcher_is_killed_instead_of_training_on_orphaned(tmp_path):
+    """torch's elastic agent starts workers in their own sessions: a `kill -9` of `accelerate launch` alone
+    would leave them writing into a run dir that the resumed run then shares."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import ROOT, launch_command
+    from tests.test_preemption import wait_for, worker_pids
+
+    run_dir = tmp_path / "run"
+    args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=100000", "trainer.checkpoint_every=5",
+            f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(launch_command("train.py", 2) + args, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    workers = {}
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step_00000005").is_dir() and len(worker_pids(proc.pid)) == 2, proc)
+        workers = worker_pids(proc.pid)
+        proc.kill()  # the launcher only, as `kill -9 PID` would
+        proc.wait()
+        deadline = time.monotonic() + 15
+        while any(os.path.exists(f"/proc/{pid}") for pid in workers.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in workers.values()), "a worker trains on"
+        assert f"the launcher (pid {proc.pid}) is gone" in (run_dir / "train.log").read_text()
+    finally:
+        for pid in workers.values():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_a_full_disk_during_a_save_names_the_path_and_leaves_the_previous_checkpoint_resumable(tmp_path):
     import shutil
     import subprocess
