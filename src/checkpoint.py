@@ -12,6 +12,7 @@ Why not accelerate's own rotation: `ProjectConfiguration(total_limit=K)` deletes
 new one is written and nothing is atomic, so a kill during a save can leave no loadable checkpoint.
 """
 
+import contextlib
 import json
 import logging
 import math
@@ -341,7 +342,8 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
     if same_layout and not rng_file.is_file():
         raise UsageError(f"{rng_file} is missing: the random state of rank {accelerator.process_index} cannot be "
                          "restored, so resuming would not be exact")
-    accelerator.load_state(str(checkpoint))  # loads with torch.load(weights_only=True)
+    with _model_must_fit(checkpoint):
+        accelerator.load_state(str(checkpoint))  # loads with torch.load(weights_only=True)
     if same_layout:
         # accelerate only logs "Could not load random states" at INFO when RNG restore fails: verify it.
         if not torch.equal(torch.get_rng_state(), safe_load(rng_file)["torch_manual_seed"]):
@@ -384,6 +386,23 @@ def _check_layout(saved: dict, state: TrainState, checkpoint: Path) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _model_must_fit(checkpoint: Path):
+    """torch's size-mismatch or missing-key error, as one paragraph naming the checkpoint and the tensors."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "Error(s) in loading state_dict" not in str(error):
+            raise
+        details = [line.strip().rstrip(".") for line in str(error).splitlines()[1:] if line.strip()]
+        raise UsageError(
+            f"checkpoint {checkpoint} does not fit the model its config builds: {'; '.join(details[:3])}"
+            + (f" (and {len(details) - 3} more)" if len(details) > 3 else "")
+            + ". The model's code has changed since the checkpoint was written: resume with the code that wrote it "
+            "(its commit), or start a new run."
+        ) from None
+
+
 def run_config_for(path: Path) -> DictConfig:
     """The training config that produced an exported model or checkpoint (for eval.py)."""
     for candidate in (path / CONFIG_FILE, path.parent / RUN_CONFIG, path.parent.parent / RUN_CONFIG):
@@ -399,5 +418,6 @@ def load_checkpointed_model(checkpoint: Path, run_cfg: DictConfig) -> torch.nn.M
     """The model of a checkpoint, rebuilt from its run's config alone (data-derived sizes are saved resolved)."""
     check_readable(checkpoint)
     model = instantiate(run_cfg.model, _convert_="all")
-    load_model(model, checkpoint / "model.safetensors", strict=True)
+    with _model_must_fit(checkpoint):
+        load_model(model, checkpoint / "model.safetensors", strict=True)
     return model.eval()

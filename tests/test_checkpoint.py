@@ -3,13 +3,14 @@
 import contextlib
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, launch_command, max_abs_diff, run, scalars
 
@@ -197,11 +198,17 @@ def snapshot(directory: Path) -> dict[str, tuple[int, str]]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture
-def finished_run(tmp_path) -> Path:
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def finished_run_original(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
     run([*TINY_GPT, *QUIET, "trainer.max_steps=6", "trainer.checkpoint_every=3", f"hydra.run.dir={run_dir}"])
     return run_dir
+
+
+@pytest.fixture
+def finished_run(finished_run_original, tmp_path) -> Path:
+    """A 6-step run with checkpoints at steps 3 and 6, each test's own copy to resume, damage or refuse."""
+    return Path(shutil.copytree(finished_run_original, tmp_path / "run"))
 
 
 def test_a_new_run_into_an_occupied_run_dir_is_refused_and_changes_no_file(finished_run):
@@ -257,6 +264,21 @@ def test_resume_from_a_checkpoint_corrupted_mid_file_names_the_file(finished_run
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
     assert proc.returncode != 0
     assert f"checkpoint file {optimizer_file} is corrupt or truncated (CRC mismatch)" in proc.stdout
+
+
+def test_resume_from_a_checkpoint_whose_model_shape_differs_names_the_tensor_and_changes_no_file(finished_run):
+    """As after an edit of the model's code: the config builds a model the saved tensors do not fit."""
+    model_file = finished_run / "checkpoints" / "step_00000006" / "model.safetensors"
+    weights = load_file(model_file)
+    weights["blocks.0.attn.proj.weight"] = weights["blocks.0.attn.proj.weight"][:-1].contiguous()
+    save_file(weights, model_file, metadata={"format": "pt"})
+    before = snapshot(finished_run)
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout
+    assert (f"checkpoint {model_file.parent} does not fit the model its config builds: size mismatch for "
+            "blocks.0.attn.proj.weight: copying a param with shape torch.Size([31, 32]) from checkpoint, the shape in "
+            "current model is torch.Size([32, 32]). The model's code has changed") in proc.stdout
+    assert snapshot(finished_run) == before
 
 
 def test_resume_without_the_rank_rng_state_fails_loudly(finished_run):
