@@ -40,6 +40,10 @@ class TrainerConfig:
     mixed_precision: Annotated[Optional[Literal["no", "fp16", "bf16"]], Arg(
         "autocast dtype (null: the launcher's --mixed_precision or `accelerate config` answer, else no)")] = None
     seed: Annotated[int, Arg("seed for model init, data order, dropout", ge=0)] = 1337
+    deterministic: Annotated[bool, Arg(
+        "deterministic kernels only (torch.use_deterministic_algorithms, cuDNN without autotuning, "
+        "CUBLAS_WORKSPACE_CONFIG): bitwise-repeatable runs on GPUs too, at some speed; an op without a "
+        "deterministic kernel then raises, naming itself")] = False
     log_every: Annotated[int, Arg("optimizer steps between train/* scalars", ge=1)] = 10
     nonfinite: Annotated[Literal["error", "skip"], Arg(
         "a NaN/inf loss or gradient norm: stop before applying it (error) or skip that optimizer step (skip)")] = "error"

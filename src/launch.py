@@ -147,6 +147,8 @@ def needs_cpu_flag() -> bool:
 
 
 def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Path) -> Accelerator:
+    if trainer.deterministic:
+        use_deterministic_kernels()  # before CUDA is touched: cuBLAS reads its workspace setting once
     accelerator = Accelerator(
         cpu=needs_cpu_flag(),
         # Explicit values win over the launcher's ACCELERATE_* variables: launch_settings has merged the two.
@@ -201,6 +203,15 @@ def exit_with_the_launcher(poll_s: float = 1.0) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def use_deterministic_kernels() -> None:
+    """What PyTorch's reproducibility notes ask for. Seeds are not the issue: the shuffle, the loader
+    workers' seeds, dropout and augmentation already follow trainer.seed (bitwise on CPU without this);
+    on GPUs, atomics-based kernels (scatter_add, some convolutions' backward) and cuDNN's autotuner are."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def quiet_other_ranks(accelerator: Accelerator) -> None:
@@ -274,6 +285,7 @@ def describe_launch(accelerator: Accelerator, cfg: DictConfig, settings: LaunchS
         "device": f"{accelerator.device} ({torch.get_num_threads()} CPU threads per process)"
         if accelerator.device.type == "cpu" else accelerator.device,
         "mixed precision": f"{accelerator.mixed_precision} ({settings.mixed_precision.source})",
+        "deterministic kernels": torch.are_deterministic_algorithms_enabled(),
         "gradient accumulation steps": f"{accumulation} ({settings.gradient_accumulation_steps.source})",
         "batch size per process": per_process,
         "global batch size": f"{per_process * accelerator.num_processes * accumulation} "

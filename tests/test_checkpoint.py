@@ -149,12 +149,14 @@ def test_resuming_with_another_global_batch_is_refused_naming_the_accumulation_t
 
 
 def test_resume_reproduces_augmented_image_training_with_loader_workers(tmp_path, cifar_root):
-    """Random crops and flips in two DataLoader workers, BatchNorm, accumulation: still bitwise after a kill."""
+    """Random crops and flips in two DataLoader workers, BatchNorm, accumulation: still bitwise after a kill.
+    With trainer.deterministic, whose kernels every op of the model and loss must have."""
     args = ["experiment=cifar10_resnet", f"data.root={cifar_root}", "model.width=8", "data.batch_size=16",
             "data.num_workers=2", "data.prefetch_factor=4", "trainer.gradient_accumulation_steps=2", "trainer.max_steps=45",
-            "trainer.checkpoint_every=10", "trainer.monitor=null", "trainer.keep_last_checkpoints=20", *QUIET]
+            "trainer.checkpoint_every=10", "trainer.monitor=null", "trainer.keep_last_checkpoints=20",
+            "trainer.deterministic=true", *QUIET]
     reference, resumed = tmp_path / "uninterrupted", tmp_path / "killed"
-    run([*args, f"hydra.run.dir={reference}"])
+    assert "deterministic kernels       : True" in run([*args, f"hydra.run.dir={reference}"]).stdout
     kill_when([*args, f"hydra.run.dir={resumed}"], 1,
               ready=lambda: (resumed / "checkpoints" / "step_00000020").is_dir())
     run([*args, f"hydra.run.dir={resumed}", "resume=auto"])
