@@ -1,6 +1,7 @@
 """The SLURM scripts on a real (local, 2-node) SLURM cluster: `scripts/local_slurm.sh start` brings one up."""
 
 import shutil
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -51,11 +52,18 @@ def wait_for_end(job_id: str, timeout: float, on_pending_requeue=None) -> str:
 
 
 def test_two_node_job_ends_with_the_weights_of_a_single_node_two_process_run(tmp_path):
+    """With its main port already taken on the main host: the script picks a free one."""
     overrides = [*TRAIN, "trainer.max_steps=8"]
-    job = submit("train_multi_node.sbatch", [], [*overrides, f"hydra.run.dir={tmp_path / 'slurm'}"], tmp_path / "log")
-    assert wait_for_end(job, 180) == "COMPLETED", (tmp_path / "log").read_text(errors="replace")[-3000:]
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        job = submit("train_multi_node.sbatch", [f"--export=ALL,MAIN_PORT={port}"],
+                     [*overrides, f"hydra.run.dir={tmp_path / 'slurm'}"], tmp_path / "log")
+        assert wait_for_end(job, 180) == "COMPLETED", (tmp_path / "log").read_text(errors="replace")[-3000:]
     log = (tmp_path / "log").read_text(errors="replace")
     assert "2 nodes x 1 process(es)" in log and "DistributedType.MULTI_CPU" in log
+    assert f"port {port} is in use on" in log
     run([*overrides, f"hydra.run.dir={tmp_path / 'local'}"], nproc=2)
     assert max_abs_diff(exported_weights(tmp_path / "slurm"), exported_weights(tmp_path / "local")) == 0
 
