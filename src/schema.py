@@ -366,7 +366,7 @@ def build(node: DictConfig, *args: Any, group: str, **kwargs: Any) -> Any:
         cause = error.__cause__
         if isinstance(cause, UsageError):
             raise cause from None
-        if isinstance(cause, (FileNotFoundError, ValueError)):  # what our constructors raise for bad input
+        if isinstance(cause, (FileNotFoundError, IsADirectoryError, PermissionError, ValueError)):  # bad input
             raise UsageError(f"{group} ({node.get('_target_')}): {cause}") from None
         raise
 

@@ -2,7 +2,22 @@
 
 Each row builds the data the way train.py does (`build`, which reports a user's mistake without Hydra's
 wrapping). Configuration mistakes have their own table in test_config.py; a real launch of each kind is there
-too (non-zero exit, no traceback, no run directory).
+too (non-zero exit, no traceback, no run directory). Where each bad input of the faults issue is tested:
+
+| bad input                                                    | test                                              |
+|--------------------------------------------------------------|---------------------------------------------------|
+| missing, empty, unreadable, too small for one window         | CASES below                                       |
+| training set smaller than one global batch                   | test_a_training_set_smaller_than_one_global_batch |
+| text that is not UTF-8; binary files of an impossible size   | CASES below                                       |
+| token ids beyond the vocabulary                              | CASES below                                       |
+| a missing mandatory value, an unknown option in any group    | test_config.py: test_bad_value_is_refused_...     |
+| a model/data combination that cannot work (resnet on text)   | test_config.py: test_bad_value_is_refused_... and a real launch |
+| an unwritable or impossible run directory                    | test_an_impossible_run_dir_is_refused_...         |
+| eval_every or checkpoint_every beyond max_steps (warn)       | test_eval_or_checkpoint_intervals_longer_...      |
+| a checkpoint whose model shape differs from the config       | test_checkpoint.py: test_resume_from_a_checkpoint_whose_model_shape_differs_... |
+| a checkpoint with another global batch                       | test_checkpoint.py: test_resuming_with_another_global_batch_is_refused_... |
+| a port already in use                                        | test_slurm.py: test_two_node_job_... (its port taken) |
+| resume=PATH to something that is not a checkpoint            | test_resume_from_something_that_is_not_a_checkpoint_is_refused |
 """
 
 import numpy as np
@@ -20,6 +35,8 @@ def write(path, content: bytes):
 
 
 CASES = {
+    "data path that is a directory": (lambda d: {"_target_": "src.data.text.TextData", "path": str(d),
+                                                 "block_size": 8}, "data.path='{d}' is a directory; it must be a file"),
     "missing text file": (lambda d: {"_target_": "src.data.text.TextData", "path": str(d / "none.txt"),
                                      "block_size": 8}, "data.path='{d}/none.txt': no such file"),
     "empty text file": (lambda d: {"_target_": "src.data.text.TextData", "path": write(d / "e.txt", b""),
@@ -69,6 +86,18 @@ def test_a_batch_larger_than_the_training_set_is_refused():
 
     with pytest.raises(UsageError, match=r"data.batch_size=100000 is larger than the training set"):
         TextData(path="data/tinyshakespeare.txt", block_size=64, batch_size=100000).train_dataloader()
+
+
+def test_a_training_set_smaller_than_one_global_batch():
+    from src.accumulation import steps_per_epoch
+    from src.train_state import TrainState
+
+    layout = TrainState(batch_size=4, num_processes=2, gradient_accumulation_steps=3)
+    with pytest.raises(UsageError, match=r"the training set \(20 samples\) is smaller than one global batch of 24 "
+                                         r"samples \(data.batch_size=4 x 2 process\(es\) x "
+                                         r"trainer.gradient_accumulation_steps=3\): lower data.batch_size"):
+        steps_per_epoch(range(20), layout.global_batch, layout.layout())
+    assert steps_per_epoch(range(50), 24, layout.layout()) == 2  # whole global batches only
 
 
 @pytest.mark.parametrize("run_dir, message", [("/proc/no/run", "/proc is not writable"),

@@ -5,12 +5,28 @@ types and ranges in one place, see src/schema.py), plus `config/data/NAME.yaml` 
 """
 
 import inspect
+from pathlib import Path
 from typing import Annotated, Callable, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.schema import Arg, UsageError
+
+
+def readable_file(path: str, key: str) -> Path:
+    """`path` as a file this process can read, or an error naming `key` and what is wrong with it."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise IsADirectoryError(f"{key}={path!r} is a directory; it must be a file")
+    if not file.is_file():
+        raise FileNotFoundError(f"{key}={path!r}: no such file (relative paths are relative to {Path.cwd()})")
+    try:
+        with open(file, "rb"):
+            pass
+    except OSError as error:
+        raise PermissionError(f"{key}={path!r} cannot be read ({error.strerror})") from None
+    return file
 
 
 def model_size(method: Callable) -> property:

@@ -18,7 +18,7 @@ from typing import Annotated
 import torch
 from torch.utils.data import Dataset
 
-from src.data.base import DataModule, model_size
+from src.data.base import DataModule, model_size, readable_file
 from src.schema import Arg
 
 IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)
@@ -64,9 +64,7 @@ class JsonlData(DataModule):
         **loader,
     ):
         super().__init__(**loader)
-        file = Path(path).expanduser()
-        if not file.is_file():
-            raise FileNotFoundError(f"data.path={path!r}: no such file (relative paths are relative to {Path.cwd()})")
+        file = readable_file(path, "data.path")
         texts = []
         for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
             if line.strip():

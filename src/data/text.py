@@ -1,13 +1,12 @@
 """Language-model data: a UTF-8 text file (character or byte level) or a pre-tokenized uint16 .bin file."""
 
-from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from src.data.base import DataModule, model_size
+from src.data.base import DataModule, model_size, readable_file
 from src.schema import Arg
 
 
@@ -52,13 +51,6 @@ def split(tokens: np.ndarray, val_fraction: float, block_size: int, random_offse
     return train, val
 
 
-def _existing_file(path: str, key: str) -> Path:
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"{key}={path!r}: no such file (relative paths are relative to {Path.cwd()})")
-    return file
-
-
 class TokenStream(DataModule):
     """What both language-model datasets share: a token stream cut into windows, its tail validating."""
 
@@ -86,7 +78,7 @@ class TextData(TokenStream):
         **stream,
     ):
         super().__init__(**stream)
-        raw = _existing_file(path, "data.path").read_bytes()
+        raw = readable_file(path, "data.path").read_bytes()
         if level == "byte":
             tokens, self.vocab = np.frombuffer(raw, dtype=np.uint8), None
         else:
@@ -120,7 +112,7 @@ class TokenData(TokenStream):
         **stream,
     ):
         super().__init__(**stream)
-        file = _existing_file(path, "data.path")
+        file = readable_file(path, "data.path")
         if file.stat().st_size % 2:
             raise ValueError(f"data.path={path}: {file.stat().st_size} bytes is not a multiple of 2 "
                              "(a flat array of uint16 token ids)")
