@@ -2,7 +2,7 @@
 
 import torch
 
-from src.data.text import TokenWindows
+from src.data.text import TextData, TokenWindows
 from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
 
 SHORT = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "trainer.checkpoint_every=0", "trainer.monitor=null",
@@ -29,6 +29,17 @@ def test_random_offset_moves_the_windows_each_epoch_and_keeps_their_number():
     windows.set_epoch(2)
     again = int(windows[0][0][0])
     assert again == starts[2]  # a function of (seed, epoch) only: what exact resume needs
+
+
+def test_fast_character_encoding_gives_the_vocabulary_and_ids_of_the_plain_definition(tmp_path):
+    text = "Où est l'été? ∑ 😀 naïve café\nZ" * 20
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    data = TextData(path=str(tmp_path / "t.txt"), block_size=8)
+    vocab = sorted(set(text))
+    assert data.vocab == vocab and data.vocab_size == len(vocab)
+    ids = [vocab.index(ch) for ch in text]
+    assert data.train.tokens.tolist() + data.val.tokens.tolist() == ids
+    assert data.decode(ids[:12]) == text[:12]
 
 
 def test_auto_micro_batch_keeps_the_global_batch_and_the_weights_of_the_configured_run_and_resume_reuses_it(tmp_path):
