@@ -1,140 +1,473 @@
-"""Is the template as fast as a hand-written loop? Same model, data, batch, optimizer and threads.
+"""Is the template as fast and as exact as the alternatives? Four benchmarks; results in scripts/BENCHMARKS.md.
 
-    python scripts/benchmark.py                              # CPU: the default GPT on tiny Shakespeare
-    python scripts/benchmark.py --device cuda --mixed-precision bf16 --peak-tflops 989 \
-        model.n_layer=6 model.n_embd=384 model.n_head=6 model.block_size=256 data.batch_size=64
+    python scripts/benchmark.py parity [--processes 1 2] [overrides...]   # vs a hand-written loop
+    python scripts/benchmark.py nanogpt --nanogpt DIR                     # vs karpathy/nanoGPT, same recipe
+    python scripts/benchmark.py startup                                   # time to the first optimizer step
+    python scripts/benchmark.py checkpoint                                # save MB/s vs a raw write
+    python scripts/benchmark.py parity --device cuda --mixed-precision bf16 --peak-tflops 989 \
+        model.n_layer=12 model.n_head=12 model.n_embd=768 model.block_size=1024 data.batch_size=16
 
-The template side is a real `train.py` run (evaluation and checkpoints off); its throughput comes from the
-wall times TensorBoard recorded for train/loss between the first and the last logged step, so start-up is
-left out on both sides. The hand-written side is a plain PyTorch loop (forward, backward, clip, AdamW,
-LR schedule). Reports tokens/s, the template's overhead, peak memory and, with --peak-tflops, MFU.
-Results are kept in scripts/BENCHMARKS.md.
+parity: a real `train.py` run (through `accelerate launch`) against a plain PyTorch loop (through `torchrun`
+on more than one process) that makes exactly the template's arithmetic, written out: the seedable sampler's
+order (a permutation seeded by seed + epoch), whole global batches per epoch, micro-batch k of rank r holding
+batch (s*K + k)*P + r, the loss summed and divided by the global batch's target count, DDP with no_sync on
+all but the last micro-step, clipping, AdamW, the LR schedule. So the final weights must be bitwise equal,
+and the step-time ratio is the template's overhead alone. Both sides run in fresh processes, alternating;
+step time is measured between the first and the last logged step (start-up excluded); medians are compared.
 """
 
 import argparse
+import contextlib
 import json
-import math
 import os
+import random
 import resource
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def hand_written(args, overrides: list[str]) -> dict:
-    """The loop an engineer would write by hand, on the config train.py would use."""
-    import torch
-    import torch.nn.functional as F
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """A benchmark step that must succeed: on failure, its own error output, not only an exit code."""
+    done = subprocess.run(cmd, cwd=kwargs.pop("cwd", ROOT), capture_output=True, text=True, **kwargs)
+    if done.returncode:
+        sys.exit(f"{' '.join(map(str, cmd))} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return done
+
+
+def compose_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     from src.config import complete_config
+
+    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
+        return complete_config(compose(config_name="train", overrides=overrides))
+
+
+def scalars(run_dir: Path, tag: str):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return events.Scalars(tag)
+
+
+# ---------------------------------------------------------------------------------------------- parity
+
+
+def hand_written(args) -> None:
+    """The loop an engineer would write by hand for the template's maths; rank 0 prints a JSON line."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
     from src.optim import param_groups
     from src.schema import build, resolve_data_sizes
 
-    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
-        cfg = complete_config(compose(config_name="train", overrides=overrides))
-    torch.manual_seed(cfg.trainer.seed)
-    if args.device == "cpu":
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
-    device = torch.device(args.device)
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None)
+    if world > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    cfg = compose_config(args.overrides)
+    seed, trainer = cfg.trainer.seed, cfg.trainer
+    random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)  # what accelerate's set_seed does
+    if device.type == "cpu":  # the template's share of the cores per process
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    else:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(trainer.tf32)
     data = build(cfg.data, group="data")
     cfg = resolve_data_sizes(cfg, data.sizes())
     model = build(cfg.model, group="model").to(device)
+    if trainer.compile:
+        model.compile()
+    ddp = DistributedDataParallel(model) if world > 1 else model
     optimizer = build(cfg.optimizer, param_groups(model), group="optimizer")
     scheduler = build(cfg.scheduler, optimizer, group="scheduler")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
-    loader = data.train_dataloader()
-    batches, times = iter(loader), []
-    for step in range(args.steps):
-        try:
-            inputs, targets = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            inputs, targets = next(batches)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = F.cross_entropy(model(inputs).float().flatten(0, -2), targets.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.max_grad_norm or math.inf)
-        optimizer.step()
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+
+    B, K = cfg.data.batch_size, trainer.gradient_accumulation_steps or 1  # null: the launcher default, 1
+    dataset = data.train
+    epoch_steps = len(dataset) // (B * K * world)  # whole global batches per epoch
+    times, tokens_per_step = [], 0
+    for step in range(trainer.max_steps):
+        epoch, s = divmod(step, epoch_steps)
+        if s == 0:
+            order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        window = []
+        for k in range(K):
+            first = ((s * K + k) * world + rank) * B
+            samples = [dataset[i] for i in order[first : first + B]]
+            window.append([torch.stack(parts).to(device, non_blocking=True) for parts in zip(*samples)])
+        count = torch.tensor(float(sum(y.numel() for _, y in window)), device=device)
+        if world > 1:
+            dist.all_reduce(count)
+        step_loss = torch.zeros((), device=device)
+        for k, (x, y) in enumerate(window):
+            with ddp.no_sync() if world > 1 and k < K - 1 else contextlib.nullcontext():
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    logits = ddp(x)
+                loss_sum = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="sum")
+                scaler.scale(loss_sum * (K * world) / count / K).backward()
+                step_loss += loss_sum.detach()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.max_grad_norm or float("inf"))
+        scale = scaler.get_scale()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        if (step + 1) % args.log_every == 0:
-            loss.item()  # the same host sync train.py makes when it logs
+        if scaler.get_scale() >= scale:  # a step fp16's scaler skipped leaves the schedule where it was
+            scheduler.step()
+        tokens_per_step = int(count.item()) if not tokens_per_step else tokens_per_step
+        if (step + 1) % trainer.log_every == 0:  # the host sync the template makes to log the loss
+            if world > 1:
+                dist.all_reduce(step_loss)
+            (step_loss / count).item()
             times.append(time.perf_counter())
-    tokens_per_step = cfg.data.batch_size * (inputs[0].numel() if inputs.dim() == 2 else 1)
-    result = {"tokens_per_s": tokens_per_step * args.log_every * (len(times) - 1) / (times[-1] - times[0])}
+    if rank == 0:
+        torch.save(model.state_dict(), args.weights)
+        result = {"step_time_s": (times[-1] - times[0]) / (trainer.log_every * (len(times) - 1)),
+                  "tokens_per_step": tokens_per_step, "peak_memory_gib": peak_memory_gib(device)}
+        print(json.dumps(result), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def peak_memory_gib(device) -> float:
+    import torch
+
     if device.type == "cuda":
-        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    if hasattr(model, "flops_per_token"):
-        result["flops_per_token"] = model.flops_per_token()
-    return result
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def template(args, overrides: list[str]) -> dict:
-    from omegaconf import OmegaConf
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def run_hand_written(args, processes: int, weights: Path) -> dict:
+    launcher = ([sys.executable] if processes == 1 else
+                [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+                 f"--master_port={free_port()}"])
+    cmd = [*launcher, __file__, "_hand_written", f"--weights={weights}", f"--device={args.device}",
+           f"--mixed-precision={args.mixed_precision}", *args.overrides]
+    out = run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
-    with tempfile.TemporaryDirectory() as run_dir:
-        cmd = [sys.executable, "train.py", *overrides, f"trainer.max_steps={args.steps}",
-               f"trainer.log_every={args.log_every}", "trainer.eval_every=0", "trainer.checkpoint_every=0",
-               "trainer.monitor=null", f"trainer.mixed_precision={args.mixed_precision}", f"hydra.run.dir={run_dir}/r"]
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "TQDM_DISABLE": "1"})
-        acc = EventAccumulator(f"{run_dir}/r/tensorboard")
-        acc.Reload()
-        events = acc.Scalars("train/loss")
-        cfg = OmegaConf.load(f"{run_dir}/r/config.yaml")  # what the run really used
-    # A token per position for a language model, one per image for a classifier (as on the hand-written side).
-    tokens_per_step = cfg.data.batch_size * cfg.data.get("block_size", 1) * cfg.trainer.gradient_accumulation_steps
-    elapsed = events[-1].wall_time - events[0].wall_time
-    return {"tokens_per_s": tokens_per_step * (events[-1].step - events[0].step) / elapsed,
-            "peak_rss_gib_children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20}
+
+def run_template(args, processes: int, run_dir: Path) -> dict:
+    launcher = ["accelerate", "launch"] + (["--multi_gpu", f"--num_processes={processes}",
+                                           f"--main_process_port={free_port()}"] if processes > 1 else [])
+    cmd = [*launcher, "train.py", *args.overrides, "trainer.eval_every=0", "trainer.checkpoint_every=0",
+           "trainer.monitor=null", f"trainer.mixed_precision={args.mixed_precision}", f"hydra.run.dir={run_dir}"]
+    run(cmd, env={**os.environ, "TQDM_DISABLE": "1"})
+    events = scalars(run_dir, "train/loss")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    memory = summary["peak_memory_gib"]
+    return {"step_time_s": (events[-1].wall_time - events[0].wall_time) / (events[-1].step - events[0].step),
+            "peak_memory_gib": memory.get("cuda", memory["rss_max_over_ranks"])}
+
+
+def weights_equal(template_model: Path, hand_weights: Path) -> bool:
+    import torch
+
+    from src.export import load_exported_model
+
+    ours, theirs = load_exported_model(template_model).state_dict(), torch.load(hand_weights)
+    return ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+
+
+def parity(args) -> dict:
+    fixed = [f"trainer.max_steps={args.steps}", f"trainer.log_every={args.log_every}"]
+    args.overrides = [*fixed, *args.overrides]
+    cfg = compose_config(args.overrides)
+    report = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for processes in args.processes:
+            runs = {"template": [], "hand_written": []}
+            equal = True
+            for repeat in range(args.repeats):  # alternating, so neither side gets the warmer machine
+                run_dir, weights = Path(tmp) / f"p{processes}-{repeat}", Path(tmp) / f"hand-p{processes}-{repeat}.pt"
+                runs["template"].append(run_template(args, processes, run_dir))
+                runs["hand_written"].append(run_hand_written(args, processes, weights))
+                equal &= weights_equal(run_dir / "model", weights)
+                print(f"{processes} process(es), run {repeat + 1}: template {runs['template'][-1]['step_time_s']*1e3:.1f}"
+                      f" ms/step, hand-written {runs['hand_written'][-1]['step_time_s']*1e3:.1f} ms/step, weights "
+                      f"equal so far: {equal}", file=sys.stderr, flush=True)
+            ours = median(r["step_time_s"] for r in runs["template"])
+            theirs = median(r["step_time_s"] for r in runs["hand_written"])
+            tokens = runs["hand_written"][0]["tokens_per_step"]
+            report[str(processes)] = {
+                "weights_equal": equal,
+                "step_time_ratio": round(ours / theirs, 3),
+                "template_ms_per_step_runs": [round(r["step_time_s"] * 1e3, 1) for r in runs["template"]],
+                "hand_written_ms_per_step_runs": [round(r["step_time_s"] * 1e3, 1) for r in runs["hand_written"]],
+                "template_tokens_per_s": round(tokens / ours),
+                "hand_written_tokens_per_s": round(tokens / theirs),
+                "template_peak_memory_gib": round(max(r["peak_memory_gib"] for r in runs["template"]), 3),
+                "hand_written_peak_memory_gib": round(max(r["peak_memory_gib"] for r in runs["hand_written"]), 3),
+            }
+            if args.peak_tflops:
+                from src.schema import build, resolve_data_sizes
+                from src.telemetry import flops_per_token
+
+                data = build(cfg.data, group="data")
+                model = build(resolve_data_sizes(cfg, data.sizes()).model, group="model")
+                flops = flops_per_token(model)
+                for side, step_time in (("template", ours), ("hand_written", theirs)):
+                    report[str(processes)][f"{side}_mfu"] = round(
+                        flops * tokens / step_time / (args.peak_tflops * 1e12 * processes), 4)
+    return report
+
+
+# --------------------------------------------------------------------------------------------- nanoGPT
+
+
+NANOGPT_RECIPE = [  # nanoGPT's README recipe for a CPU: its flags, with our experiment mirroring them
+    "config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--dtype=float32", "--eval_iters=20",
+    "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
+    "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0", "--always_save_checkpoint=True",
+]
+
+
+def full_validation_loss(model, val) -> float:
+    """Mean next-token cross-entropy over every non-overlapping window of the validation split (the template's
+    val set), for any model mapping ids to logits: the same measure for both sides."""
+    import torch
+    import torch.nn.functional as F
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for first in range(0, len(val), 64):
+            x, y = (torch.stack(parts) for parts in zip(*(val[i] for i in range(first, min(first + 64, len(val))))))
+            logits = model(x)
+            total += F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="sum").item()
+            count += y.numel()
+    return total / count
+
+
+def nanogpt_full_validation(nanogpt: Path, checkpoint: Path, val) -> float:
+    import torch
+
+    sys.path.insert(0, str(nanogpt))
+    from model import GPT, GPTConfig  # nanoGPT's own model.py
+
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    model = GPT(GPTConfig(**saved["model_args"]))
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in saved["model"].items()})
+    model.eval()
+    # nanoGPT's forward returns logits for the last position only unless given targets: ask for all.
+    return full_validation_loss(lambda x: model(x, torch.zeros_like(x))[0], val)
+
+
+def nanogpt(args) -> dict:
+    import torch
+
+    from src.export import load_exported_model
+    from src.schema import build
+
+    nanogpt_dir = Path(args.nanogpt).resolve()
+    cfg = compose_config(["experiment=nanogpt_shakespeare_char"])
+    val = build(cfg.data, group="data").val
+    report = {"template": [], "nanogpt": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp) / "nanoGPT"
+        shutil.copytree(nanogpt_dir, work, ignore=shutil.ignore_patterns(".git", "out-*"))
+        data_dir = work / "data" / "shakespeare_char"
+        shutil.copy(ROOT / "data" / "tinyshakespeare.txt", data_dir / "input.txt")  # no download: same text
+        stub = Path(tmp) / "stub"  # prepare.py imports requests only to download input.txt, present here
+        stub.mkdir()
+        (stub / "requests.py").write_text("")
+        run([sys.executable, "prepare.py"], cwd=data_dir, env={**os.environ, "PYTHONPATH": str(stub)})
+        for repeat in range(args.repeats):
+            run_dir = Path(tmp) / f"template-{repeat}"
+            started = time.time()
+            run(["accelerate", "launch", "train.py", "experiment=nanogpt_shakespeare_char",
+                 f"hydra.run.dir={run_dir}"], env={**os.environ, "TQDM_DISABLE": "1"})
+            wall = time.time() - started
+            loss = full_validation_loss(load_exported_model(run_dir / "model"), val)
+            summary = json.loads((run_dir / "summary.json").read_text())
+            report["template"].append({"wall_s": round(wall, 1), "full_val_loss": round(loss, 4),
+                                       "ms_per_step": round(1e3 * median(
+                                           e.value for e in scalars(run_dir, "train/step_time")), 1),
+                                       "in_run_val_loss": round(summary["final_metrics"]["eval/loss"], 4)})
+            out = work / f"out-{repeat}"
+            started = time.time()
+            log = run([sys.executable, "train.py", *NANOGPT_RECIPE, f"--out_dir={out}"], cwd=work).stdout
+            wall = time.time() - started
+            step_ms = [float(line.split("time ")[1].split("ms")[0]) for line in log.splitlines()
+                       if line.startswith("iter ") and "time " in line]
+            estimate = [line for line in log.splitlines() if line.startswith("step 2000:")]
+            report["nanogpt"].append({"wall_s": round(wall, 1),
+                                      "full_val_loss": round(nanogpt_full_validation(work, out / "ckpt.pt", val), 4),
+                                      "ms_per_step": round(median(step_ms[1:]), 1),
+                                      "its_estimate_at_2000": estimate[0] if estimate else None})
+            print(json.dumps({k: v[-1] for k, v in report.items()}), file=sys.stderr, flush=True)
+    del torch
+    return report
+
+
+# --------------------------------------------------------------------------------------------- start-up
+
+
+def startup(args) -> dict:
+    """Seconds from starting a command to its first optimizer step, against importing torch and accelerate."""
+
+    def wall(cmd: list[str]) -> float:
+        started = time.time()
+        run(cmd)
+        return time.time() - started
+
+    def first_step(launcher: list[str]) -> float:
+        with tempfile.TemporaryDirectory() as tmp:
+            started = time.time()
+            run([*launcher, "train.py", "trainer.max_steps=1", "trainer.log_every=1", *args.overrides,
+                 f"hydra.run.dir={tmp}/r"], env={**os.environ, "TQDM_DISABLE": "1"})
+            whole = time.time() - started
+            return scalars(Path(tmp) / "r", "train/loss")[0].wall_time - started, whole
+
+    runs = {"import torch, accelerate": [], "python train.py: first step": [], "python train.py: whole": [],
+            "accelerate launch train.py: first step": [], "accelerate launch train.py: whole": []}
+    for _ in range(args.repeats):
+        runs["import torch, accelerate"].append(wall([sys.executable, "-c", "import torch, accelerate"]))
+        for name, launcher in (("python train.py", [sys.executable]), ("accelerate launch train.py",
+                                                                       ["accelerate", "launch"])):
+            first, whole = first_step(launcher)
+            runs[f"{name}: first step"].append(first)
+            runs[f"{name}: whole"].append(whole)
+    base = median(runs["import torch, accelerate"])
+    report = {name: {"median_s": round(median(v), 2), "x_import": round(median(v) / base, 2),
+                     "runs_s": [round(x, 2) for x in v]} for name, v in runs.items()}
+    report["import_profile"] = import_profile()
+    return report
+
+
+def import_profile(top: int = 12) -> list:
+    """Where `python train.py`'s imports go: `-X importtime`, cumulative seconds per top-level package."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run([sys.executable, "-X", "importtime", "train.py", "trainer.max_steps=1",
+                   f"hydra.run.dir={tmp}/r"], env={**os.environ, "TQDM_DISABLE": "1"}).stderr
+    packages: dict[str, float] = {}
+    for line in out.splitlines():
+        if not line.startswith("import time:") or "|" not in line or "cumulative" in line:
+            continue
+        _, cumulative, name = (part.strip() for part in line.removeprefix("import time:").split("|"))
+        if name == name.lstrip():  # an import made at the top level, not inside another one's
+            root = name.split(".")[0]
+            packages[root] = packages.get(root, 0.0) + int(cumulative) / 1e6
+    return sorted(([name, round(s, 2)] for name, s in packages.items()), key=lambda p: -p[1])[:top]
+
+
+# ------------------------------------------------------------------------------------------- checkpoint
+
+
+def checkpoint(args) -> dict:
+    """The template's atomic save (accelerate.save_state, metadata, fsync, rename) of a model and its AdamW
+    state, against writing the same bytes to the same disk with open/write/fsync."""
+    import torch
+    from accelerate import Accelerator
+
+    from src.checkpoint import Checkpointer, step_dir_name
+    from src.optim import param_groups
+    from src.schema import build, resolve_data_sizes
+    from src.train_state import TrainState
+
+    cfg = compose_config([f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}", "model.n_head=8"])
+    accelerator = Accelerator(cpu=True)
+    data = build(cfg.data, group="data")
+    cfg = resolve_data_sizes(cfg, data.sizes())
+    model = build(cfg.model, group="model")
+    optimizer = build(cfg.optimizer, param_groups(model), group="optimizer")
+    model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
+    optimizer.step()  # so the optimizer has its moments to save
+    model, optimizer = accelerator.prepare(model, optimizer)
+    times = {"template": [], "raw": []}
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        checkpointer = Checkpointer(accelerator, Path(tmp), cfg, export=None)
+        first = checkpointer.save(TrainState(step=0))  # a warm-up, and the bytes the raw side writes
+        files = {f.relative_to(first): f.read_bytes() for f in first.rglob("*") if f.is_file()}
+
+        def template_save(step: int) -> None:
+            checkpointer.save(TrainState(step=step))
+
+        def raw_write(step: int) -> None:
+            target = Path(tmp) / f"raw-{step}"
+            for name, content in files.items():
+                (target / name).parent.mkdir(parents=True, exist_ok=True)
+                with open(target / name, "wb") as f:
+                    f.write(content)
+                    f.flush()
+                    os.fsync(f.fileno())
+
+        for step in range(1, args.repeats + 1):
+            sides = [("template", template_save), ("raw", raw_write)]
+            for side, write in sides if step % 2 else sides[::-1]:  # alternating which goes first
+                os.sync()  # neither side pays for the other's write-back
+                started = time.perf_counter()
+                write(step)
+                times[side].append(time.perf_counter() - started)
+            shutil.rmtree(Path(tmp) / f"raw-{step}")
+        assert step_dir_name(args.repeats) in os.listdir(Path(tmp) / "checkpoints")
+    size = sum(len(b) for b in files.values())
+    ours, raw = times["template"], times["raw"]
+    mb = size / 2**20
+    return {"checkpoint_mb": round(mb, 1), "template_mb_per_s": round(mb / median(ours), 1),
+            "raw_write_mb_per_s": round(mb / median(raw), 1), "ratio": round(median(raw) / median(ours), 3),
+            "template_s_runs": [round(t, 3) for t in ours], "raw_s_runs": [round(t, 3) for t in raw]}
+
+
+# ------------------------------------------------------------------------------------------------- main
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument("--peak-tflops", type=float, help="the device's peak dense TFLOP/s, for MFU")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides for both sides, e.g. data.batch_size=64")
-    parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side; medians are reported")
-    parser.add_argument("--hand-written-only", action="store_true", help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("parity", help="the template against an exact hand-written loop")
+    p.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--peak-tflops", type=float, help="one device's peak dense TFLOP/s, for MFU")
+    h = commands.add_parser("_hand_written")  # one side of parity, in its own process(es)
+    h.add_argument("--weights", required=True)
+    for q in (p, h):
+        q.add_argument("--device", default="cpu")
+        q.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
+        q.add_argument("overrides", nargs="*", help="Hydra overrides for both sides, e.g. data.batch_size=64")
+    n = commands.add_parser("nanogpt", help="config/experiment/nanogpt_shakespeare_char.yaml against nanoGPT")
+    n.add_argument("--nanogpt", required=True, help="a checkout of karpathy/nanoGPT")
+    s = commands.add_parser("startup", help="time to the first optimizer step")
+    s.add_argument("overrides", nargs="*")
+    c = commands.add_parser("checkpoint", help="checkpoint save MB/s against a raw write")
+    c.add_argument("--n-layer", type=int, default=8)
+    c.add_argument("--n-embd", type=int, default=512)
+    c.add_argument("--dir", default=str(ROOT / "outputs"), help="where to write (the disk runs write to)")
+    for q in (p, n, s, c):
+        q.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    if args.hand_written_only:
-        print(json.dumps(hand_written(args, args.overrides)))
+    if args.command == "_hand_written":
+        hand_written(args)
         return
-
-    # Both sides in fresh processes, alternating, so neither gets a warmer cache or a luckier memory layout.
-    runs: dict[str, list[dict]] = {"template": [], "hand_written": []}
-    for _ in range(args.repeats):
-        runs["template"].append(template(args, args.overrides))
-        child = subprocess.run([sys.executable, __file__, "--hand-written-only", *sys.argv[1:]], check=True,
-                               capture_output=True, text=True)
-        runs["hand_written"].append(json.loads(child.stdout.strip().splitlines()[-1]))
-    ours, theirs = (sorted(r, key=lambda x: x["tokens_per_s"])[len(r) // 2] for r in runs.values())
-    report = {
-        "template_tokens_per_s_runs": [round(r["tokens_per_s"]) for r in runs["template"]],
-        "hand_written_tokens_per_s_runs": [round(r["tokens_per_s"]) for r in runs["hand_written"]],
-        "template_tokens_per_s": round(ours["tokens_per_s"]),
-        "hand_written_tokens_per_s": round(theirs["tokens_per_s"]),
-        "template_overhead_percent": round(100 * (theirs["tokens_per_s"] / ours["tokens_per_s"] - 1), 1),
-        **{f"hand_written_{k}": round(v, 3) for k, v in theirs.items() if "memory" in k or "rss" in k},
-        "template_peak_rss_gib": round(ours["peak_rss_gib_children"], 3),
-    }
-    if args.peak_tflops and "flops_per_token" in theirs:
-        for name, side in (("template", ours), ("hand_written", theirs)):
-            report[f"{name}_mfu_percent"] = round(
-                100 * theirs["flops_per_token"] * side["tokens_per_s"] / (args.peak_tflops * 1e12), 1)
-    print(json.dumps(report, indent=2))
+    Path(getattr(args, "dir", ROOT)).mkdir(parents=True, exist_ok=True)
+    report = {"parity": parity, "nanogpt": nanogpt, "startup": startup, "checkpoint": checkpoint}[args.command](args)
+    if args.command == "parity":
+        print(json.dumps(report, indent=2))
+        print(json.dumps({k: {"weights_equal": v["weights_equal"], "step_time_ratio": v["step_time_ratio"]}
+                          for k, v in report.items()}))  # the last line: what a script reads
+    else:
+        print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
