@@ -77,7 +77,7 @@ def hand_written(args) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from src.optim import param_groups
+    from src.optim import build_optimizer
     from src.schema import build, resolve_data_sizes
 
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
@@ -98,12 +98,12 @@ def hand_written(args) -> None:
     if trainer.compile:
         model.compile()
     ddp = DistributedDataParallel(model) if world > 1 else model
-    optimizer = build(cfg.optimizer, param_groups(model), group="optimizer")
+    B, K = cfg.data.batch_size, trainer.gradient_accumulation_steps or 1  # null: the launcher default, 1
+    optimizer = build_optimizer(cfg.optimizer, model, B * K * world)
     scheduler = build(cfg.scheduler, optimizer, group="scheduler")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
 
-    B, K = cfg.data.batch_size, trainer.gradient_accumulation_steps or 1  # null: the launcher default, 1
     dataset = data.train
     epoch_steps = len(dataset) // (B * K * world)  # whole global batches per epoch
     times, tokens_per_step = [], 0
@@ -266,7 +266,8 @@ def nanogpt_full_validation(nanogpt: Path, checkpoint: Path, val) -> float:
     from model import GPT, GPTConfig  # nanoGPT's own model.py
 
     saved = torch.load(checkpoint, map_location="cpu", weights_only=False)
-    model = GPT(GPTConfig(**saved["model_args"]))
+    with contextlib.redirect_stdout(sys.stderr):  # it prints its parameter count; stdout is the report
+        model = GPT(GPTConfig(**saved["model_args"]))
     model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in saved["model"].items()})
     model.eval()
     # nanoGPT's forward returns logits for the last position only unless given targets: ask for all.
@@ -339,10 +340,14 @@ def startup(args) -> dict:
             whole = time.time() - started
             return scalars(Path(tmp) / "r", "train/loss")[0].wall_time - started, whole
 
-    runs = {"import torch, accelerate": [], "python train.py: first step": [], "python train.py: whole": [],
-            "accelerate launch train.py: first step": [], "accelerate launch train.py: whole": []}
+    # Any PyTorch training script also pays torch's lazy import of torch._dynamo when it builds an optimizer.
+    optimizer = "import torch, accelerate; torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())"
+    runs = {"import torch, accelerate": [], "... and build an AdamW": [], "python train.py: first step": [],
+            "python train.py: whole": [], "accelerate launch train.py: first step": [],
+            "accelerate launch train.py: whole": []}
     for _ in range(args.repeats):
         runs["import torch, accelerate"].append(wall([sys.executable, "-c", "import torch, accelerate"]))
+        runs["... and build an AdamW"].append(wall([sys.executable, "-c", optimizer]))
         for name, launcher in (("python train.py", [sys.executable]), ("accelerate launch train.py",
                                                                        ["accelerate", "launch"])):
             first, whole = first_step(launcher)
@@ -364,10 +369,10 @@ def import_profile(top: int = 12) -> list:
     for line in out.splitlines():
         if not line.startswith("import time:") or "|" not in line or "cumulative" in line:
             continue
-        _, cumulative, name = (part.strip() for part in line.removeprefix("import time:").split("|"))
-        if name == name.lstrip():  # an import made at the top level, not inside another one's
-            root = name.split(".")[0]
-            packages[root] = packages.get(root, 0.0) + int(cumulative) / 1e6
+        _, cumulative, name = line.removeprefix("import time:").split("|")
+        if not name.startswith("  "):  # one space: an import made at the top level, not inside another one's
+            name = name.strip()  # a later, lazy import of a submodule (torch._dynamo) keeps its own name
+            packages[name] = packages.get(name, 0.0) + int(cumulative) / 1e6
     return sorted(([name, round(s, 2)] for name, s in packages.items()), key=lambda p: -p[1])[:top]
 
 
@@ -381,7 +386,7 @@ def checkpoint(args) -> dict:
     from accelerate import Accelerator
 
     from src.checkpoint import Checkpointer, step_dir_name
-    from src.optim import param_groups
+    from src.optim import build_optimizer
     from src.schema import build, resolve_data_sizes
     from src.train_state import TrainState
 
@@ -390,7 +395,7 @@ def checkpoint(args) -> dict:
     data = build(cfg.data, group="data")
     cfg = resolve_data_sizes(cfg, data.sizes())
     model = build(cfg.model, group="model")
-    optimizer = build(cfg.optimizer, param_groups(model), group="optimizer")
+    optimizer = build_optimizer(cfg.optimizer, model, global_batch=32)
     model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
     optimizer.step()  # so the optimizer has its moments to save
     model, optimizer = accelerator.prepare(model, optimizer)
