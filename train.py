@@ -19,22 +19,25 @@ from accelerate.utils import set_seed
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from src.accumulation import accumulation_windows, global_target_count, loss_for_backward, steps_per_epoch
+from src.accumulation import accumulation_windows, fit_run_to_data, global_target_count, loss_for_backward
 from src.auto_batch import find_micro_batch
 from src.batches import call_model, split_batch
 from src.checkpoint import Checkpointer, config_for_resume, load_checkpoint, resume_source
 from src.config import complete_config
+from src.early_stopping import EarlyStopping
+from src.ema import build_ema
 from src.evaluation import evaluate
 from src.export import export_model
 from src.hang_watch import HangWatch
 from src.launch import (Setting, build_accelerator, check_replicas_in_sync, describe_launch, launch_settings,
                         run_then_release, shut_down)
 from src.nonfinite import NonFiniteGuard
-from src.optim import param_groups
+from src.optim import build_optimizer
 from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from src.progress import Progress
-from src.run_log import start_run_log
+from src.run_log import start_run_log, stop_run_log
 from src.schema import build, resolve_data_sizes
+from src.sync_batchnorm import sync_batchnorm
 from src.telemetry import Telemetry, process_start_time
 from src.train_state import TrainState
 
@@ -42,7 +45,7 @@ log = logging.getLogger("train")
 
 
 @hydra.main(config_path="config", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     cfg = complete_config(cfg)  # every default filled in from the signatures, every value checked
     checkpoint = resume_source(cfg.resume, run_dir)  # refuses to write into another run's directory
@@ -58,38 +61,44 @@ def main(cfg: DictConfig) -> None:
 
     # Build. The data first: the model config may use sizes only the data knows (${dataset:vocab_size}).
     data = build(cfg.data, group="data")
+    state = TrainState(batch_size=data.batch_size, num_processes=accelerator.num_processes,
+                       gradient_accumulation_steps=accumulation)
+    epoch_steps = fit_run_to_data(data, trainer, state)  # whole global batches; max_epochs -> max_steps
     cfg = resolve_data_sizes(cfg, data.sizes())
     trainer = cfg.trainer  # the resolved config is a new object: what is saved from here on
     model = build(cfg.model, group="model")
+    if trainer.sync_batchnorm:
+        model = sync_batchnorm(model, accelerator)
     if trainer.compile:
         model.compile()  # in place, so state_dict keys stay free of torch.compile's "_orig_mod." prefix
     objective = build(cfg.objective, group="objective")
     if trainer.auto_micro_batch and not checkpoint:  # a resumed run keeps the micro-batch its config records
         micro_batch = find_micro_batch(accelerator, model, objective, data, data.batch_size * accumulation)
         accumulation = data.batch_size * accumulation // micro_batch
-        data.batch_size = cfg.data.batch_size = micro_batch
+        data.batch_size = cfg.data.batch_size = state.batch_size = micro_batch
+        state.gradient_accumulation_steps = accumulation  # the global batch is unchanged
         accelerator.gradient_accumulation_steps = trainer.gradient_accumulation_steps = accumulation
         launch.gradient_accumulation_steps = Setting(accumulation, "auto micro-batch: largest that fits")
         log.info("auto micro-batch: %d samples per process x %d micro-steps", micro_batch, accumulation)
-    optimizer = build(cfg.optimizer, param_groups(model), group="optimizer")
-    scheduler = build(cfg.scheduler, optimizer, group="scheduler")
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader(trainer.eval_batches)
-    state = TrainState(batch_size=data.batch_size, num_processes=accelerator.num_processes,
-                       gradient_accumulation_steps=accumulation)
-    epoch_steps = steps_per_epoch(data.train, state.global_batch, state.layout())  # whole global batches
+    optimizer = build_optimizer(cfg.optimizer, model, state.global_batch)
+    scheduler = build(cfg.scheduler, optimizer, group="scheduler")
 
     # Prepare: device placement, DDP wrapping, autocast, data sharding.
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler
     )
+    ema = build_ema(accelerator, model, trainer.ema_decay)  # registered for checkpointing: load_state restores it
     if checkpoint:
         load_checkpoint(accelerator, checkpoint, state, trainer.seed)  # on this layout: the global batch must match
     start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, launch, run_dir), state.step)
-    export = lambda directory: export_model(accelerator, model, cfg.model, directory)  # noqa: E731
+    export = lambda directory, module=model: export_model(accelerator, module, cfg.model, directory)  # noqa: E731
     checkpointer = Checkpointer(accelerator, run_dir, cfg, export)
     preemption = PreemptionWatch()
-    guard = NonFiniteGuard(accelerator, trainer.nonfinite, trainer.max_consecutive_skips, run_dir)
+    guard = NonFiniteGuard(accelerator, trainer.nonfinite, trainer.max_consecutive_skips, run_dir, preemption)
     hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s)
+    early_stopping = EarlyStopping(accelerator, trainer.monitor, trainer.monitor_mode, trainer.early_stopping_patience,
+                                   trainer.early_stopping_min_delta)
 
     # Loop: one iteration per optimizer step, over a window of `accumulation` micro-batches whose loss is
     # normalised by the targets of the whole global batch (src/accumulation.py).
@@ -97,9 +106,12 @@ def main(cfg: DictConfig) -> None:
     telemetry = Telemetry(accelerator, model, state.global_batch, trainer.mixed_precision, trainer.peak_tflops,
                           process_start_time(), trainer.profile, run_dir)
     progress = Progress(trainer.max_steps, state.step, accelerator.is_main_process, trainer.progress_interval_s)
-    step_loss, metrics = None, {}
+    step_loss, metrics, stop_reason = None, {}, None
     model.train()
     windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps, accumulation, epoch_steps)
+    if early_stopping.already_stopped(state):  # resumed from the checkpoint of an early stop
+        log.info("%s at step %d: nothing left to train", early_stopping.reason(state), state.step)
+        windows = []
     for window in telemetry.timed_windows(windows):
         hang_watch.beat(state.step)
         window = [split_batch(batch, objective.target_key) for batch in window]  # (inputs, targets) pairs
@@ -121,6 +133,8 @@ def main(cfg: DictConfig) -> None:
                 optimizer.zero_grad(set_to_none=True)
         if apply_step and not accelerator.optimizer_step_was_skipped:  # nor by fp16's GradScaler
             scheduler.step()
+            if ema is not None:
+                ema.update_parameters(accelerator.unwrap_model(model))
         state.step += 1
         telemetry.step_finished(step_targets)
 
@@ -136,21 +150,32 @@ def main(cfg: DictConfig) -> None:
         if done or (trainer.eval_every and state.step % trainer.eval_every == 0):
             with telemetry.phase("evaluation"):
                 step_metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, objective).items()}
+                if ema is not None:
+                    with accelerator.autocast():  # the prepared model's precision; the copy was not prepared
+                        ema_metrics = evaluate(ema.module, val_loader, accelerator, objective)
+                    step_metrics.update({f"eval_ema/{k}": v for k, v in ema_metrics.items() if k != "samples"})
             metrics = step_metrics
             accelerator.log(metrics, step=state.step)
             log.info("step %d: %s", state.step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-        stopping = not done and preemption.stop_agreed(accelerator)
-        if stopping:
+        stop_reason = None
+        if not done and early_stopping.should_stop(step_metrics, state):
+            stop_reason = early_stopping.reason(state)
+        elif not done and preemption.stop_agreed():
+            stop_reason = "preempted"
             log.warning("stopping at step %d on %s: saving a checkpoint", state.step, preemption.describe())
+        stopping = stop_reason is not None
         hang_watch.beat(state.step)
         with telemetry.phase("checkpointing"):
             checkpointer.step_finished(state, step_metrics, stopping)  # it decides: periodic, best, preemption, final
         if stopping:
             break
     progress.close()
-    preempted = state.step < trainer.max_steps
+    if early_stopping.already_stopped(state):
+        stop_reason = early_stopping.reason(state)
+        log.info("%s: stopped at step %d of %d", stop_reason, state.step, trainer.max_steps)
+    preempted = stop_reason == "preempted"
     best = {"metric": trainer.monitor, "value": state.best_metric, "step": state.best_step}
-    telemetry.summary(run_dir, "preempted" if preempted else "finished", state.step, accelerator.num_processes,
+    telemetry.summary(run_dir, stop_reason or "finished", state.step, accelerator.num_processes,
                       trainer.mixed_precision, metrics, best, step_loss)
     if preempted:  # resume later from the checkpoint just saved
         requeue_slurm_job(accelerator)
@@ -160,8 +185,15 @@ def main(cfg: DictConfig) -> None:
     # Save.
     export(run_dir / "model")
     log.info("exported the final model to %s", run_dir / "model")
+    if ema is not None:
+        export(run_dir / "model_ema", ema.module)
+        log.info("exported the EMA of the weights to %s", run_dir / "model_ema")
     check_replicas_in_sync(accelerator, model)
+    hang_watch.stop()
+    stop_run_log()
     shut_down(accelerator)
+    # What a Hydra sweeper optimises (train.py -m hparams_search=...): the best trainer.monitor value.
+    return state.best_metric
 
 
 if __name__ == "__main__":

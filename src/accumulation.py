@@ -10,15 +10,19 @@ This is the recipe of accelerate's guide "Gradient accumulation on training samp
 """
 
 import itertools
+import logging
 from collections.abc import Sized
 from typing import Iterator, Optional
 
 import torch
 from accelerate import Accelerator
 
+from src.data.base import FirstSamples
 from src.objectives import Objective
 from src.schema import UsageError
 from src.train_state import TrainState
+
+log = logging.getLogger(__name__)
 
 
 def steps_per_epoch(dataset, global_batch: int, layout: str) -> Optional[int]:
@@ -38,6 +42,22 @@ def steps_per_epoch(dataset, global_batch: int, layout: str) -> Optional[int]:
             f"samples ({layout}): lower data.batch_size or trainer.gradient_accumulation_steps, or use more data"
         )
     return steps
+
+
+def fit_run_to_data(data, trainer, state: TrainState) -> Optional[int]:
+    """The optimizer steps of one epoch, after trainer.limit_train_batches has bounded the training set; and
+    trainer.max_epochs turned into trainer.max_steps, before the config's values that follow it (the LR
+    schedule's length) are resolved."""
+    if trainer.limit_train_batches is not None:
+        data.train = FirstSamples(data.train, trainer.limit_train_batches * state.global_batch)
+    epoch_steps = steps_per_epoch(data.train, state.global_batch, state.layout())
+    if trainer.max_epochs is not None:
+        if epoch_steps is None:
+            raise UsageError("trainer.max_epochs needs a training set with a length (this one is iterable only): "
+                             "use trainer.max_steps")
+        trainer.max_steps = trainer.max_epochs * epoch_steps
+        log.info("trainer.max_epochs=%d: %d optimizer steps", trainer.max_epochs, trainer.max_steps)
+    return epoch_steps
 
 
 def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, max_steps: int, accumulation: int,

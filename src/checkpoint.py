@@ -43,7 +43,7 @@ CONFIG_FILE = "run_config.yaml"
 RUN_CONFIG = "config.yaml"  # what train.py writes at the top of the run dir
 # Keys a resumed run may change: they do not alter what is being trained, only how long and how it reports.
 SAFE_ON_RESUME = {
-    "resume", "trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.checkpoint_every",
+    "resume", "trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every", "trainer.checkpoint_every",
     "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads", "data.num_workers",
 }
 DATA_SIZE_PLACEHOLDER = "${dataset:"
@@ -129,6 +129,9 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
             f"({' and '.join(sorted(LAYOUT_ON_RESUME))} only while the global batch stays the same). "
             "Start a new run (another hydra.run.dir) to change anything else."
         )
+    if "trainer.max_steps" in named and saved.trainer.get("max_epochs") is not None and cfg.trainer.max_steps:
+        saved.trainer.max_epochs = None  # a length in steps replaces the checkpoint's length in epochs
+        changed.append(f"trainer.max_epochs: {old_leaves['trainer.max_epochs']} -> None")
     for line in changed:
         log.warning("resume: override accepted: %s", line)
     return saved
@@ -355,7 +358,8 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
              state.samples_into_epoch)
 
 
-POSITION_KEYS = ("step", "epoch", "samples_into_epoch", "best_metric", "best_step")
+POSITION_KEYS = ("step", "epoch", "samples_into_epoch", "best_metric", "best_step", "early_stopping_best",
+                 "evals_without_improvement")
 
 
 def _check_layout(saved: dict, state: TrainState, checkpoint: Path) -> bool:

@@ -24,6 +24,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed import TCPStore
 
+from src.optim import LRScaling
 from src.schema import (Arg, ConfigError, UsageError, check_values, chosen_option, complete, data_size_references,
                         locate, schema_of)
 
@@ -34,7 +35,10 @@ __all__ = ["TrainerConfig", "complete_config", "ConfigError", "UsageError", "Val
 class TrainerConfig:
     """The loop's settings (`trainer.*`): how long, how often, how precisely."""
 
-    max_steps: Annotated[int, Arg("optimizer steps to train for", ge=1)] = 2000
+    max_steps: Annotated[Optional[int], Arg("optimizer steps to train for (null when max_epochs says)", ge=1)] = 2000
+    max_epochs: Annotated[Optional[int], Arg(
+        "passes over the training set, instead of max_steps: it then becomes max_epochs x the whole global "
+        "batches of an epoch, and the LR schedule follows it (set one of the two)", ge=1)] = None
     gradient_accumulation_steps: Annotated[Optional[int], Arg(
         "micro-batches per optimizer step (null: the launcher's --gradient_accumulation_steps, else 1)", ge=1)] = None
     mixed_precision: Annotated[Optional[Literal["no", "fp16", "bf16"]], Arg(
@@ -50,6 +54,9 @@ class TrainerConfig:
     max_consecutive_skips: Annotated[int, Arg("with nonfinite=skip, stop after this many skipped steps in a row",
                                               ge=1)] = 10
     eval_every: Annotated[int, Arg("optimizer steps between evaluations (0: only at the end)", ge=0)] = 500
+    limit_train_batches: Annotated[Optional[int], Arg(
+        "train on the first N global batches of the training set only, an epoch being those N (debug=overfit, "
+        "debug=limit; null: all)", ge=1)] = None
     eval_batches: Annotated[Optional[int], Arg(
         "evaluate on the first eval_batches x data.eval_batch_size validation samples (null: all); exact on any "
         "number of processes", ge=1)] = None
@@ -62,6 +69,18 @@ class TrainerConfig:
     dist_timeout_s: Annotated[int, Arg("collective timeout: a lost peer ends the run with an error", ge=1)] = 1800
     hang_report_s: Annotated[float, Arg("no optimizer step finished for this long: every live rank logs its "
                                         "threads' stacks (before dist_timeout_s ends the run)", gt=0)] = 300.0
+    early_stopping_patience: Annotated[Optional[int], Arg(
+        "stop after this many evaluations in a row without improving trainer.monitor (null: never)", ge=1)] = None
+    early_stopping_min_delta: Annotated[float, Arg(
+        "an improvement smaller than this does not count, for early stopping", ge=0)] = 0.0
+    ema_decay: Annotated[Optional[float], Arg(
+        "keep an exponential moving average of the weights with this decay, e.g. 0.999: evaluated as eval_ema/*, "
+        "exported to <run_dir>/model_ema, checkpointed (null: off)", gt=0, lt=1)] = None
+    sync_batchnorm: Annotated[bool, Arg(
+        "BatchNorm statistics over the global batch under DDP (SyncBatchNorm), not each process's share")] = False
+    cuda_memory_fraction: Annotated[Optional[float], Arg(
+        "cap this process's CUDA memory at this fraction of its GPU, e.g. to share one (null: no cap; ignored "
+        "on CPU)", gt=0, le=1)] = None
     compile: Annotated[bool, Arg("torch.compile the model")] = False
     auto_micro_batch: Annotated[bool, Arg(
         "use the largest per-process micro-batch that fits, with accumulation making up the rest, so the global "
@@ -115,12 +134,14 @@ def complete_config(cfg: DictConfig, warnings: Optional[list[str]] = None) -> Di
         except ConfigError as error:
             problems += [f"{group}.{p}" for p in error.problems]
             continue
+        if group == "optimizer":  # keys the template applies to any optimizer (src/optim.py)
+            schemas[group].params.update(schema_of(LRScaling).params)
         completed[group], found = complete(cfg[group], schemas[group], f"{group}.", supplied,
                                            data_sizes=provided or () if group == "model" else ())
         problems += found
     schemas["trainer"] = schema_of(TrainerConfig)
     completed["trainer"], found = complete(cfg.trainer, schemas["trainer"], "trainer.")
-    problems += found
+    problems += found or _length_of_run(cfg.trainer, completed["trainer"])
     if problems:
         raise ConfigError(problems)
 
@@ -128,8 +149,12 @@ def complete_config(cfg: DictConfig, warnings: Optional[list[str]] = None) -> Di
     if "hydra" in cfg:  # kept for the checks' messages (option names); train.py's cfg has none
         with_hydra = OmegaConf.create({"hydra": {"runtime": {"choices": dict(cfg.hydra.runtime.choices)}}})
         out = OmegaConf.merge(out, with_hydra)
+    checked = out
+    if out.trainer.max_steps is None:  # by epochs: the step count exists once the data is built; until then
+        checked = out.copy()  # values that follow it (the schedule's length) are checked with a stand-in
+        checked.trainer.max_steps = 1
     for group, schema in schemas.items():
-        problems += check_values(out, group, schema)
+        problems += check_values(checked, group, schema)
     if provided is not None:
         for key, name in data_size_references(out.model, "model"):
             if name not in provided:
@@ -142,6 +167,20 @@ def complete_config(cfg: DictConfig, warnings: Optional[list[str]] = None) -> Di
     if "hydra" in out:
         out.pop("hydra")
     return out
+
+
+def _length_of_run(given: DictConfig, trainer: dict) -> list[str]:
+    """Exactly one of max_steps (which has a default) and max_epochs says how long a run is: max_epochs given
+    without max_steps replaces the default."""
+    steps, epochs = trainer["max_steps"], trainer["max_epochs"]
+    if epochs is None:
+        return [] if steps is not None else [
+            "trainer.max_steps=null needs trainer.max_epochs: give one of them, the run's length"]
+    if given.get("max_steps") is not None:
+        return [f"trainer.max_steps={steps} and trainer.max_epochs={epochs}: give one of them (to train by "
+                "epochs, add trainer.max_steps=null)"]
+    trainer["max_steps"] = None  # train.py sets it once the data and the global batch are known
+    return []
 
 
 def _target_class(cfg: DictConfig, group: str, problems: list[str]) -> Any:
@@ -166,12 +205,21 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
         problems.append(f"data={chosen_option(cfg, 'data')} gives targets equal to the inputs (Hugging Face's labels "
                         f"convention), which objective={chosen_option(cfg, 'objective')} does not shift: the model would "
                         "learn to copy its input. Use objective=causal_lm.")
+    if cfg.optimizer.scale_lr != "none" and cfg.optimizer.reference_batch is None:
+        problems.append(f"optimizer.scale_lr={cfg.optimizer.scale_lr} needs optimizer.reference_batch: the global batch "
+                        "(samples per optimizer step) optimizer.lr was tuned for")
+    if trainer.early_stopping_patience is not None:
+        if trainer.monitor is None:
+            problems.append("trainer.early_stopping_patience needs trainer.monitor (the metric to watch), not null")
+        if trainer.eval_every == 0:
+            problems.append("trainer.early_stopping_patience needs trainer.eval_every > 0: with 0 the run evaluates "
+                            "only at its end, so nothing could stop it early")
     for key in ("eval_every", "checkpoint_every"):
-        if trainer[key] > trainer.max_steps:
+        if trainer.max_steps is not None and trainer[key] > trainer.max_steps:
             warnings.append(f"trainer.{key}={trainer[key]} > trainer.max_steps={trainer.max_steps}: only the end of "
                             f"the run will {'evaluate' if key == 'eval_every' else 'save a checkpoint'}")
     warmup = OmegaConf.select(cfg, "scheduler.warmup_steps")
-    if isinstance(warmup, int) and warmup >= trainer.max_steps:
+    if isinstance(warmup, int) and trainer.max_steps is not None and warmup >= trainer.max_steps:
         warnings.append(f"scheduler.warmup_steps={warmup} >= trainer.max_steps={trainer.max_steps}: the learning "
                         "rate never leaves its warm-up")
     return problems
@@ -183,7 +231,7 @@ class ValidateConfig(Callback):
     building (a missing data file), removes the run dir this launch created if nothing was written to it."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._exit_on_errors(config)
+        self._exit_on_errors(config, config.hydra.run.dir)
         self.run_dir = Path(config.hydra.run.dir)
         self.run_dir_existed = self.run_dir.exists()
 
@@ -195,15 +243,15 @@ class ValidateConfig(Callback):
                 pass
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._exit_on_errors(config)
+        self._exit_on_errors(config, config.hydra.sweep.dir)  # each job's own values are checked by train.py
 
     @staticmethod
-    def _exit_on_errors(config: DictConfig) -> None:
+    def _exit_on_errors(config: DictConfig, run_dir: str) -> None:
         from src.launch import launch_settings  # here: src.launch imports torch.distributed pieces
 
         warnings = []
         try:
-            check_run_dir_can_be_made(config.hydra.run.dir)
+            check_run_dir_can_be_made(run_dir)
             launch_settings(complete_config(config, warnings).trainer)
             for warning in warnings:
                 print(f"Warning: {warning}", file=sys.stderr)

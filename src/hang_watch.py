@@ -24,15 +24,19 @@ class HangWatch:
         self.last_beat: float | None = None  # armed by the first beat
         self.step = 0
         self.reported = False
+        self.stopped = threading.Event()
         threading.Thread(target=self._watch, name="hang-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        """The run is over (the next job of an in-process sweep must not be reported as this one's hang)."""
+        self.stopped.set()
 
     def beat(self, step: int) -> None:
         """The loop made progress (a step finished, or its evaluation and checkpoint)."""
         self.last_beat, self.step, self.reported = time.monotonic(), step, False
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.report_after_s / 4))
+        while not self.stopped.wait(min(1.0, self.report_after_s / 4)):
             if self.last_beat is None or self.reported:
                 continue
             stalled = time.monotonic() - self.last_beat

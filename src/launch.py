@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 import yaml
 from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, broadcast_object_list, gather_object
 from omegaconf import DictConfig
 
@@ -176,6 +177,12 @@ def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Pa
     )
     if accelerator.device.type == "cuda" and trainer.tf32:  # Ampere and later: ~8x fp32 matmul throughput
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if trainer.cuda_memory_fraction is not None:
+        if accelerator.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(trainer.cuda_memory_fraction, accelerator.device)
+        else:
+            log.info("trainer.cuda_memory_fraction=%s ignored: this process runs on %s", trainer.cuda_memory_fraction,
+                     accelerator.device.type)
     quiet_other_ranks(accelerator)
     check_process_count(accelerator, settings.requested_processes)
     check_same_run_dir(accelerator, run_dir)
@@ -321,9 +328,14 @@ def check_replicas_in_sync(accelerator: Accelerator, model) -> None:
 
 
 def shut_down(accelerator: Accelerator) -> None:
-    """Flush the trackers and destroy the process group, all ranks together (see also run_then_release)."""
+    """Flush the trackers, all ranks together (see also run_then_release), and forget this run's Accelerator
+    settings, so that the next job of an in-process sweep (`train.py -m`) may choose its own (precision,
+    accumulation). accelerate keeps them in process-wide singletons; its own tests reset them the same way.
+    The process group and device (PartialState) stay: they belong to the launch, not to the job."""
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
 
 
 def run_then_release(main: Callable[[], None]) -> None:

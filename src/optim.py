@@ -1,12 +1,49 @@
 """Optimizers, each a function whose signature holds this template's defaults and ranges (torch's own
-classes work as `_target_` too; these exist so that our defaults are written once, beside the code)."""
+classes work as `_target_` too; these exist so that our defaults are written once, beside the code).
 
-from typing import Annotated, Optional
+Every optimizer option also takes LRScaling's keys (`optimizer.scale_lr`, `optimizer.reference_batch`),
+whatever its `_target_`: the template applies them, since only it knows the global batch.
+"""
+
+import logging
+import math
+from dataclasses import dataclass, fields
+from typing import Annotated, Literal, Optional
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
-from src.schema import Arg
+from src.schema import Arg, build
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LRScaling:
+    scale_lr: Annotated[Literal["none", "linear", "sqrt"], Arg(
+        "scale optimizer.lr by the global batch over reference_batch (linear: Goyal et al.'s rule for SGD; "
+        "sqrt: the usual one for Adam), so a recipe moves to more GPUs without retuning")] = "none"
+    reference_batch: Annotated[Optional[int], Arg(
+        "the global batch (samples per optimizer step) optimizer.lr was tuned for; needed by scale_lr", ge=1)] = None
+
+
+LR_SCALING_KEYS = tuple(f.name for f in fields(LRScaling))
+
+
+def build_optimizer(node: DictConfig, model: nn.Module, global_batch: int) -> torch.optim.Optimizer:
+    """The configured optimizer over param_groups(model), its learning rates scaled as optimizer.scale_lr says."""
+    scaling = LRScaling(**{key: node[key] for key in LR_SCALING_KEYS if key in node})
+    optimizer = build({k: v for k, v in node.items() if k not in LR_SCALING_KEYS}, param_groups(model),
+                      group="optimizer")
+    if scaling.scale_lr != "none":
+        ratio = global_batch / scaling.reference_batch
+        factor = ratio if scaling.scale_lr == "linear" else math.sqrt(ratio)
+        for group in optimizer.param_groups:
+            group["lr"] *= factor  # before the scheduler is built: it takes these as its base rates
+        log.info("optimizer.scale_lr=%s: global batch %d / reference %d -> learning rate x %.4g = %.4g",
+                 scaling.scale_lr, global_batch, scaling.reference_batch, factor, optimizer.param_groups[0]["lr"])
+    return optimizer
 
 
 def param_groups(model: nn.Module) -> list[dict]:

@@ -1,7 +1,8 @@
 """Stopping cleanly when the cluster asks: SIGUSR1 (SLURM's warning before the time limit) or SIGTERM.
 
-The handler only sets a flag. After each optimizer step the ranks agree through a collective (the signal
-may have reached only some of them); then one checkpoint is saved and the run stops. Under SLURM, rank 0
+The handler only sets a flag. Every optimizer step the ranks agree on it (the signal may have reached only
+some of them) in the collective the non-finite check makes anyway (src/nonfinite.py), so stopping costs no
+collective of its own; then one checkpoint is saved and the run stops. Under SLURM, rank 0
 requeues the job, which resumes from that checkpoint with resume=auto; elsewhere the process exits with
 PREEMPTED_EXIT_CODE so a wrapper script can tell "saved, start me again" from success and failure.
 """
@@ -23,18 +24,24 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 class PreemptionWatch:
     def __init__(self):
         self.received: int | None = None
+        self.agreed = False
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         self.received = signum  # nothing else here: the loop decides when it is safe to stop
 
-    def stop_agreed(self, accelerator: Accelerator) -> bool:
-        """True on every rank once any rank has received a stop signal. Call on all ranks, every step."""
-        if accelerator.num_processes == 1:
-            return self.received is not None
-        flag = torch.tensor(int(self.received is not None), device=accelerator.device)
-        return bool(accelerator.reduce(flag, "sum").item())
+    def local_flag(self, device: torch.device) -> torch.Tensor:
+        """This rank's vote, for the step's collective (1.0: a stop signal arrived here)."""
+        return torch.tensor(float(self.received is not None), device=device)
+
+    def agree(self, votes: float) -> None:
+        """The sum of every rank's vote, as the step's collective returned it."""
+        self.agreed = votes > 0
+
+    def stop_agreed(self) -> bool:
+        """True on every rank once any rank has received a stop signal (as of this step's agreement)."""
+        return self.agreed
 
     def describe(self) -> str:
         return signal.Signals(self.received).name if self.received else "a signal to another rank"

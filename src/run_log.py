@@ -7,6 +7,15 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("train")
+RUN_LOG_HANDLER = "run-log"
+
+
+def stop_run_log() -> None:
+    """Close train.log: the next job of an in-process sweep (`train.py -m`) logs to its own run dir."""
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if h.get_name() == RUN_LOG_HANDLER]:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def start_run_log(accelerator: Accelerator, cfg: DictConfig, run_dir: Path, banner: str, first_step: int = 0) -> None:
@@ -14,6 +23,7 @@ def start_run_log(accelerator: Accelerator, cfg: DictConfig, run_dir: Path, bann
         run_dir.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(run_dir / "train.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.set_name(RUN_LOG_HANDLER)
         logging.getLogger().addHandler(handler)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         log.info("\n%s", banner)

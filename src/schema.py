@@ -187,6 +187,14 @@ def type_problem(value: Any, annotation: Any) -> Optional[str]:
 
 
 def _type_name(annotation: Any) -> str:
+    """int, float or null, no|fp16|bf16, tuple[int, int, int]: as a config file spells the values."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is Literal:
+        return "|".join(str(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
     return getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
 
 
@@ -380,9 +388,23 @@ def describe(target: str | Callable) -> str:
     return "\n".join(f"{n:<{widths[0]}}  {t:<{widths[1]}}  {d:<{widths[2]}}  {h}" for n, t, d, h in rows)
 
 
+def markdown_reference(target: str | Callable, prefix: str) -> str:
+    """The parameters as a Markdown table (`python -m src.schema --markdown TARGET PREFIX`): the README's
+    reference of `trainer.*` is this output, and a test keeps it so."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for name, p in schema_of(target).params.items():
+        default = "(mandatory)" if p.mandatory else OmegaConf.to_yaml({"v": p.default}).strip()[3:]  # as YAML
+        cells = (f"`{prefix}{name}`", _type_name(p.annotation), f"`{default}`", p.arg.help)
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     import sys
 
     from src import schema  # the components import src.schema, whose Arg is not this __main__'s
 
-    print(schema.describe(sys.argv[1]))
+    if sys.argv[1] == "--markdown":
+        print(schema.markdown_reference(sys.argv[2], sys.argv[3]))
+    else:
+        print(schema.describe(sys.argv[1]))

@@ -13,6 +13,9 @@ class TrainState:
     samples_into_epoch: int = 0
     best_metric: Optional[float] = None  # trainer.monitor's best value so far
     best_step: Optional[int] = None  # the step whose checkpoint holds it
+    # Early stopping (src/early_stopping.py): its own best (with min_delta) and the evaluations since.
+    early_stopping_best: Optional[float] = None
+    evals_without_improvement: int = 0
     # The layout that consumed them: per-process micro-batch x processes x accumulation = the global batch.
     batch_size: Optional[int] = None
     num_processes: Optional[int] = None

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 import src.config  # noqa: F401  (registers the base config and resolvers)
 from src.config import TrainerConfig, complete_config
+from src.optim import build_optimizer
 from src.schema import ConfigError, build, locate, schema_of
 from tests.conftest import ROOT, run
 
@@ -40,7 +41,7 @@ PARTNERS = {
 @pytest.mark.parametrize(
     "override",
     [f"{group}={name}" for group in (*GROUPS, "trainer") for name in options(group)]
-    + [f"experiment={name}" for name in options("experiment")],
+    + [f"experiment={name}" for name in options("experiment")] + [f"debug={name}" for name in options("debug")],
 )
 def test_every_config_option_composes_completes_and_passes_its_checks(override):
     cfg = complete_config(compose_train([override] + PARTNERS.get(override, [])))
@@ -50,11 +51,11 @@ def test_every_config_option_composes_completes_and_passes_its_checks(override):
 def test_optimizer_and_scheduler_options_build_with_what_train_py_passes():
     import torch
 
-    params = [torch.nn.Parameter(torch.zeros(2, 2))]
+    model = torch.nn.Linear(2, 2)
     for opt_name in options("optimizer"):
         for sched_name in options("scheduler"):
             cfg = complete_config(compose_train([f"optimizer={opt_name}", f"scheduler={sched_name}"]))
-            optimizer = build(cfg.optimizer, params, group="optimizer")
+            optimizer = build_optimizer(cfg.optimizer, model, global_batch=32)
             scheduler = build(cfg.scheduler, optimizer, group="scheduler")
             optimizer.step()
             scheduler.step()
@@ -200,3 +201,15 @@ def test_python_m_src_schema_prints_every_key_with_its_type_default_and_help():
                          text=True, check=True).stdout
     assert re.search(r"block_size\s+int\s+64\s+context length in tokens", out), out
     assert re.search(r"vocab_size\s+int\s+\(mandatory\)", out), out
+
+
+def test_the_readme_trainer_reference_is_the_schema():
+    """README's table of trainer.* keys is generated from TrainerConfig; regenerate it with
+    `python -m src.schema --markdown src.config.TrainerConfig trainer.` when a key changes."""
+    from src.schema import markdown_reference
+
+    readme = (ROOT / "README.md").read_text()
+    start, end = "<!-- trainer-reference: start -->\n", "\n<!-- trainer-reference: end -->"
+    assert start in readme and end in readme
+    table = readme[readme.index(start) + len(start) : readme.index(end)]
+    assert table == markdown_reference("src.config.TrainerConfig", "trainer.")

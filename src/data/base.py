@@ -29,6 +29,17 @@ def readable_file(path: str, key: str) -> Path:
     return file
 
 
+class FirstSamples(Subset):
+    """The first n samples of a dataset, passing set_epoch on (per-epoch offsets, augmentation seeds)."""
+
+    def __init__(self, dataset: Dataset, n: int):
+        super().__init__(dataset, range(min(n, len(dataset))))
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+
 def model_size(method: Callable) -> property:
     """Marks a property as a size the model config may reference as `${dataset:NAME}` (vocab_size, ...)."""
     method.is_model_size = True

@@ -1,0 +1,176 @@
+"""The features users expect of a serious trainer, each a config key: EMA weights, early stopping,
+SyncBatchNorm, training length in epochs, LR scaling by global batch, deterministic runs, a CUDA memory cap."""
+
+import json
+import shutil
+
+from safetensors.torch import load_file
+
+from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+
+SHORT = [*TINY_GPT, *QUIET, "data.batch_size=8", "trainer.monitor=null"]
+
+
+def test_ema_weights_are_evaluated_exported_and_resume_bitwise(tmp_path):
+    # A constant schedule: extending max_steps on resume then changes nothing else.
+    ema = [*SHORT, "trainer.ema_decay=0.8", "scheduler=constant", "optimizer.lr=1e-2", "trainer.eval_every=4",
+           "trainer.eval_batches=2", "trainer.checkpoint_every=4"]
+    run([*ema, "trainer.max_steps=8", f"hydra.run.dir={tmp_path / 'straight'}"])
+    run([*ema, "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'resumed'}"])
+    proc = run([*ema, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={tmp_path / 'resumed'}"])
+    assert "resumed from" in proc.stdout
+
+    straight, resumed = (load_file(tmp_path / name / "model_ema" / "model.safetensors") for name in ("straight", "resumed"))
+    assert max_abs_diff(straight, resumed) == 0.0
+    assert max_abs_diff(straight, exported_weights(tmp_path / "straight")) > 0  # an average, not the last weights
+    assert sorted(scalars(tmp_path / "straight", "eval_ema/loss")) == [4, 8]
+    assert scalars(tmp_path / "straight", "eval_ema/loss") == scalars(tmp_path / "resumed", "eval_ema/loss")
+    assert scalars(tmp_path / "straight", "eval_ema/loss") != scalars(tmp_path / "straight", "eval/loss")
+
+
+def test_early_stopping_stops_every_rank_together_says_why_and_stays_stopped_on_resume(tmp_path):
+    # min_delta larger than any change: only the first evaluation counts as an improvement.
+    stop = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=40", "trainer.eval_every=2",
+            "trainer.eval_batches=2", "trainer.early_stopping_patience=2", "trainer.early_stopping_min_delta=100",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run(stop, nproc=2)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["stopped"].startswith("early stopping: eval/loss did not improve")
+    assert "trainer.early_stopping_patience=2" in summary["stopped"]
+    assert (tmp_path / "run" / "checkpoints" / "step_00000006").is_dir()
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()  # it finished: the model is exported
+    assert "stopped at step 6 of 40" in proc.stdout
+
+    again = run([*stop, "resume=auto"], nproc=2)
+    assert "nothing left to train" in again.stdout
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 6
+
+
+def test_early_stopping_needs_a_monitored_metric_and_evaluations(tmp_path):
+    for args, message in (
+        (["trainer.monitor=null"], "trainer.early_stopping_patience needs trainer.monitor"),
+        (["trainer.eval_every=0"], "trainer.early_stopping_patience needs trainer.eval_every > 0"),
+    ):
+        proc = run(["trainer.early_stopping_patience=3", *args, f"hydra.run.dir={tmp_path / 'r'}"], check=False)
+        assert proc.returncode != 0 and message in proc.stdout and "Traceback" not in proc.stdout
+        assert not (tmp_path / "r").exists()
+
+
+def test_sync_batchnorm_gives_two_processes_the_statistics_of_one_on_the_same_global_batch(tmp_path, cifar_root):
+    resnet = ["experiment=cifar10_resnet", f"data.root={cifar_root}", "model.width=4", "data.num_workers=0",
+              "trainer.max_steps=3", *QUIET, "trainer.checkpoint_every=0", "trainer.monitor=null",
+              "optimizer.lr=0.05", "scheduler.warmup_steps=1"]
+    run([*resnet, "data.batch_size=16", f"hydra.run.dir={tmp_path / 'one'}"])
+    for name, flag in (("synced", "true"), ("unsynced", "false")):
+        run([*resnet, "data.batch_size=8", f"trainer.sync_batchnorm={flag}", f"hydra.run.dir={tmp_path / name}"],
+            nproc=2)
+    one, synced, unsynced = (exported_weights(tmp_path / name) for name in ("one", "synced", "unsynced"))
+    statistics = [key for key in one if key.endswith(("running_mean", "running_var"))]
+    assert statistics
+    assert max_abs_diff({k: one[k] for k in statistics}, {k: synced[k] for k in statistics}) <= 1e-5
+    assert max_abs_diff(one, synced) <= 1e-5  # and the gradients through the statistics: the same weights
+    # Without it each process normalises with its own half: the statistics differ (what the option fixes).
+    assert max_abs_diff({k: one[k] for k in statistics}, {k: unsynced[k] for k in statistics}) > 1e-4
+
+
+def test_max_epochs_trains_whole_epochs_and_the_schedule_ends_with_them(tmp_path):
+    # 1% of tiny Shakespeare trains: 348 windows of 32 tokens, 43 whole batches of 8 per epoch.
+    proc = run([*SHORT, "data.val_fraction=0.99", "trainer.max_epochs=2", "scheduler.warmup_steps=2",
+                "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert "trainer.max_epochs=2: 86 optimizer steps" in proc.stdout
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 86
+    lr = scalars(tmp_path / "run", "train/lr")
+    assert sorted(lr)[-1] == 86 and abs(lr[86] - 1e-3 * 0.1) < 1e-9  # the cosine reaches min_lr_ratio at the end
+
+
+def test_max_steps_and_max_epochs_together_are_refused(tmp_path):
+    proc = run(["trainer.max_epochs=2", "trainer.max_steps=100", f"hydra.run.dir={tmp_path / 'r'}"], check=False)
+    assert proc.returncode != 0 and "give one of them" in proc.stdout and "trainer.max_steps=null" in proc.stdout
+    assert not (tmp_path / "r").exists()
+
+
+def test_scale_lr_scales_the_learning_rate_by_the_global_batch_and_logs_it(tmp_path):
+    proc = run([*SHORT, "trainer.max_steps=2", "scheduler=constant", "optimizer.lr=1e-3", "optimizer.scale_lr=sqrt",
+                "optimizer.reference_batch=2", "trainer.gradient_accumulation_steps=2",
+                "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / 'run'}"])
+    # global batch 8 x 2 = 16 samples, reference 2: sqrt(8) x 1e-3
+    assert "optimizer.scale_lr=sqrt: global batch 16 / reference 2" in proc.stdout
+    assert abs(scalars(tmp_path / "run", "train/lr")[2] - 8**0.5 * 1e-3) < 1e-9
+    refused = run(["optimizer.scale_lr=linear", f"hydra.run.dir={tmp_path / 'r'}"], check=False)
+    assert refused.returncode != 0 and "optimizer.scale_lr=linear needs optimizer.reference_batch" in refused.stdout
+
+
+def test_deterministic_runs_with_dropout_give_bitwise_equal_weights(tmp_path):
+    for name in ("first", "second"):
+        run([*SHORT, "trainer.max_steps=4", "model.dropout=0.1", "trainer.deterministic=true",
+             "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / name}"])
+    assert max_abs_diff(exported_weights(tmp_path / "first"), exported_weights(tmp_path / "second")) == 0.0
+
+
+def test_cuda_memory_fraction_is_ignored_with_a_notice_on_cpu(tmp_path):
+    proc = run([*SHORT, "trainer.max_steps=1", "trainer.cuda_memory_fraction=0.5", "trainer.checkpoint_every=0",
+                f"hydra.run.dir={tmp_path / 'run'}"])
+    assert "trainer.cuda_memory_fraction=0.5 ignored: this process runs on cpu" in proc.stdout
+
+
+# --- debug modes (config/debug/) -----------------------------------------------------------------------
+
+
+def test_debug_fast_dev_run_trains_evaluates_checkpoints_exports_and_resumes(tmp_path):
+    dev = [*TINY_GPT, "debug=fast_dev_run", f"hydra.run.dir={tmp_path / 'dev'}"]
+    run(dev)
+    assert sorted(p.name for p in (tmp_path / "dev" / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert sorted(scalars(tmp_path / "dev", "eval/loss")) == [2, 4]
+    assert (tmp_path / "dev" / "model" / "model.safetensors").is_file()
+    first = scalars(tmp_path / "dev", "train/loss")
+    shutil.rmtree(tmp_path / "dev" / "checkpoints" / "step_00000004")  # as if killed after step 2's checkpoint
+    proc = run([*dev, "resume=auto"])
+    assert "resumed from" in proc.stdout and "step_00000002" in proc.stdout
+    assert scalars(tmp_path / "dev", "train/loss") == first  # steps 3 and 4 again, exactly
+
+
+def test_debug_overfit_trains_on_two_batches_and_the_loss_falls_far(tmp_path):
+    run([*TINY_GPT, "debug=overfit", "trainer.max_steps=150", "optimizer.lr=1e-2", "scheduler.warmup_steps=10",
+         f"hydra.run.dir={tmp_path / 'run'}"])
+    loss = scalars(tmp_path / "run", "train/loss")
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000150" / "train_state.json").read_text())
+    assert (state["epoch"], state["samples_into_epoch"]) == (74, 2 * 32)  # an epoch is the 2 global batches
+    assert loss[150] < 0.5 * loss[10], loss
+
+
+def test_debug_limit_bounds_the_epoch_and_the_evaluation(tmp_path):
+    run([*SHORT, "debug=limit", "trainer.max_steps=25", "trainer.checkpoint_every=0",
+         f"hydra.run.dir={tmp_path / 'run'}"])
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000025" / "train_state.json").read_text())
+    assert (state["epoch"], state["samples_into_epoch"]) == (2, 5 * 8)  # 10 batches of 8 per epoch
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["final_metrics"]["eval/samples"] == 5 * 8
+
+
+def test_debug_profile_writes_a_trace(tmp_path):
+    run([*TINY_GPT, "debug=profile", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert list((tmp_path / "run" / "profile").glob("*.pt.trace.json"))
+
+
+# --- sweeps ------------------------------------------------------------------------------------------------
+
+
+def test_a_multirun_sweep_gives_each_job_its_own_run_directory_and_settings(tmp_path):
+    """In-process jobs: each its own directory, log and Accelerator settings (precision differs per job)."""
+    from omegaconf import OmegaConf
+
+    run(["-m", *SHORT, "trainer.max_steps=3", "trainer.checkpoint_every=0", "trainer.mixed_precision=no,bf16",
+         "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    jobs = sorted((tmp_path / "sweep").iterdir(), key=lambda p: p.name)
+    assert [p.name for p in jobs if p.is_dir()] == ["0", "1", "2", "3"]
+    seen = set()
+    for job in jobs:
+        if not job.is_dir():
+            continue
+        cfg = OmegaConf.load(job / "config.yaml")
+        seen.add((cfg.trainer.mixed_precision, cfg.optimizer.lr))
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["steps"] == 3 and summary["mixed_precision"] == cfg.trainer.mixed_precision
+        assert (job / "model" / "model.safetensors").is_file()
+        assert (job / "train.log").read_text().count("global batch size") == 1  # its own banner only
+    assert seen == {("no", 1e-3), ("no", 3e-3), ("bf16", 1e-3), ("bf16", 3e-3)}
