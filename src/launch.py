@@ -328,14 +328,17 @@ def check_replicas_in_sync(accelerator: Accelerator, model) -> None:
 
 
 def shut_down(accelerator: Accelerator) -> None:
-    """Flush the trackers, all ranks together (see also run_then_release), and forget this run's Accelerator
-    settings, so that the next job of an in-process sweep (`train.py -m`) may choose its own (precision,
-    accumulation). accelerate keeps them in process-wide singletons; its own tests reset them the same way.
-    The process group and device (PartialState) stay: they belong to the launch, not to the job."""
+    """Flush the trackers and destroy the process group, all ranks together (see also run_then_release).
+
+    On one process, also forget this run's Accelerator settings, so that the next job of an in-process sweep
+    (`train.py -m`, one process) may choose its own (precision, accumulation): accelerate keeps them in
+    process-wide singletons, and its own tests reset them the same way. A multi-process launch is one job:
+    nothing to reset, so its shutdown path stays the one its tests have long exercised."""
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    AcceleratorState._reset_state()
-    GradientState._reset_state()
+    if accelerator.num_processes == 1:
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
 
 
 def run_then_release(main: Callable[[], None]) -> None:

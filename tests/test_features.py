@@ -4,6 +4,7 @@ SyncBatchNorm, training length in epochs, LR scaling by global batch, determinis
 import json
 import shutil
 
+import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
@@ -174,3 +175,18 @@ def test_a_multirun_sweep_gives_each_job_its_own_run_directory_and_settings(tmp_
         assert (job / "model" / "model.safetensors").is_file()
         assert (job / "train.log").read_text().count("global batch size") == 1  # its own banner only
     assert seen == {("no", 1e-3), ("no", 3e-3), ("bf16", 1e-3), ("bf16", 3e-3)}
+
+
+def test_optuna_search_runs_its_trials_and_reports_the_best_monitored_value(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="optional: pip install -r requirements-extras.txt")
+    import yaml
+
+    sweep = tmp_path / "sweep"
+    run(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.sampler.n_startup_trials=2",
+         *TINY_GPT, *QUIET, "data.batch_size=8", "trainer.max_steps=3", "trainer.eval_batches=2",
+         "trainer.checkpoint_every=0", f"hydra.sweep.dir={sweep}"])
+    trials = [json.loads((job / "summary.json").read_text()) for job in sorted(sweep.iterdir()) if job.is_dir()]
+    assert len(trials) == 3
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert set(results["best_params"]) == {"optimizer.lr", "optimizer.weight_decay"}
+    assert results["best_value"] == min(trial["best"]["value"] for trial in trials)  # what train.py returned

@@ -92,7 +92,7 @@ class JsonlData(DataModule):
         if name == "char":
             index = {ch: i for i, ch in enumerate(sorted(set("".join(texts))))}
             return (lambda text: [index[ch] for ch in text]), len(index), 0
-        from tokenizers import Tokenizer  # installed with transformers (requirements-hf.txt)
+        from tokenizers import Tokenizer  # installed with transformers (requirements-extras.txt)
 
         file = Path(name).expanduser()
         if not file.is_file():

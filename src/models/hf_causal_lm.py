@@ -3,7 +3,7 @@
     accelerate launch train.py model=hf_causal_lm                        # a small GPT-2 (config/model/hf_causal_lm.yaml)
     accelerate launch train.py model=hf_causal_lm model.config.model_type=llama ...   # any AutoModelForCausalLM type
 
-`transformers` is an optional requirement (requirements-hf.txt); it is imported only when this model is built.
+`transformers` is an optional requirement (requirements-extras.txt); it is imported only when this model is built.
 The export of such a model is also a Hugging Face folder: `AutoModelForCausalLM.from_pretrained(run_dir/"model")`.
 """
 
@@ -25,7 +25,7 @@ def causal_lm_from_config(
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as error:
-        raise UsageError("model=hf_causal_lm needs transformers: pip install -r requirements-hf.txt") from error
+        raise UsageError("model=hf_causal_lm needs transformers: pip install -r requirements-extras.txt") from error
     config = dict(config)
     if "model_type" not in config:
         raise UsageError("model.config.model_type is mandatory (e.g. gpt2, llama, qwen2): the architecture to build")
