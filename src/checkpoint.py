@@ -45,6 +45,7 @@ RUN_CONFIG = "config.yaml"  # what train.py writes at the top of the run dir
 SAFE_ON_RESUME = {
     "resume", "trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every", "trainer.checkpoint_every",
     "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads", "data.num_workers",
+    "trainer.trackers", "trainer.tracker_project",
 }
 DATA_SIZE_PLACEHOLDER = "${dataset:"
 # How the global batch is split may change (e.g. a requeued job given fewer GPUs): load_checkpoint checks

@@ -81,6 +81,10 @@ class TrainerConfig:
     cuda_memory_fraction: Annotated[Optional[float], Arg(
         "cap this process's CUDA memory at this fraction of its GPU, e.g. to share one (null: no cap; ignored "
         "on CPU)", gt=0, le=1)] = None
+    trackers: Annotated[tuple[Literal["tensorboard", "mlflow", "wandb"], ...], Arg(
+        "where scalars are logged, through accelerate's trackers; MLflow and W&B take their storage from their own "
+        "settings (MLFLOW_TRACKING_URI, WANDB_MODE=offline)")] = ("tensorboard",)
+    tracker_project: Annotated[str, Arg("the MLflow experiment / W&B project the run belongs to")] = "train"
     compile: Annotated[bool, Arg("torch.compile the model")] = False
     auto_micro_batch: Annotated[bool, Arg(
         "use the largest per-process micro-batch that fits, with accumulation making up the rest, so the global "

@@ -25,6 +25,7 @@ from accelerate.utils import DistributedType, GradientAccumulationPlugin, broadc
 from omegaconf import DictConfig
 
 from src.schema import UsageError
+from src.trackers import trackers_for
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,7 @@ def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Pa
         # train.py steps the LR schedule once per optimizer step itself; accelerate's default would step it
         # num_processes times per update.
         step_scheduler_with_optimizer=False,
-        log_with="tensorboard",
+        log_with=trackers_for(list(trainer.trackers), trainer.tracker_project, run_dir),
         project_dir=str(run_dir),
         kwargs_handlers=[
             InitProcessGroupKwargs(timeout=timedelta(seconds=trainer.dist_timeout_s)),

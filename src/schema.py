@@ -193,6 +193,8 @@ def _type_name(annotation: Any) -> str:
         return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
     if origin is Literal:
         return "|".join(str(a) for a in args)
+    if origin in (list, tuple) and (not args or args[-1] is Ellipsis):
+        return f"list of {_type_name(args[0])}" if args else "list"
     if origin is not None:
         return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
     return getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
@@ -393,7 +395,8 @@ def markdown_reference(target: str | Callable, prefix: str) -> str:
     reference of `trainer.*` is this output, and a test keeps it so."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for name, p in schema_of(target).params.items():
-        default = "(mandatory)" if p.mandatory else OmegaConf.to_yaml({"v": p.default}).strip()[3:]  # as YAML
+        default = ("(mandatory)" if p.mandatory else f"[{', '.join(map(str, p.default))}]"
+                   if isinstance(p.default, (list, tuple)) else OmegaConf.to_yaml({"v": p.default}).strip()[3:])
         cells = (f"`{prefix}{name}`", _type_name(p.annotation), f"`{default}`", p.arg.help)
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows)

@@ -190,3 +190,33 @@ def test_optuna_search_runs_its_trials_and_reports_the_best_monitored_value(tmp_
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert set(results["best_params"]) == {"optimizer.lr", "optimizer.weight_decay"}
     assert results["best_value"] == min(trial["best"]["value"] for trial in trials)  # what train.py returned
+
+
+# --- trackers ----------------------------------------------------------------------------------------------
+
+
+def test_mlflow_logs_offline_from_one_rank_and_a_resumed_run_continues_the_same_mlflow_run(tmp_path):
+    pytest.importorskip("mlflow", reason="optional: pip install -r requirements-extras.txt")
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # a local database: no server, no network
+    args = [*SHORT, "trainer.trackers=[tensorboard,mlflow]", "trainer.tracker_project=tests",
+            "trainer.checkpoint_every=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    run([*args, "trainer.max_steps=2"], nproc=2, env={"MLFLOW_TRACKING_URI": store})
+    run([*args, "trainer.max_steps=4", "resume=auto"], nproc=2, env={"MLFLOW_TRACKING_URI": store})
+
+    client = MlflowClient(tracking_uri=store)
+    experiment = client.get_experiment_by_name("tests")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1  # one run for two ranks and two launches
+    assert runs[0].info.run_name == "run" and runs[0].data.params["data.batch_size"] == "8"
+    losses = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")}
+    assert losses == scalars(tmp_path / "run", "train/loss")  # what TensorBoard got, steps 1-4
+    assert sorted(losses) == [1, 2, 3, 4]
+
+
+def test_a_tracker_that_is_not_installed_is_named(tmp_path):
+    proc = run(["trainer.trackers=[wandb]", f"hydra.run.dir={tmp_path / 'r'}"], check=False)
+    if "wandb is not installed" not in proc.stdout:
+        pytest.skip("wandb is installed here")
+    assert proc.returncode != 0 and "Traceback" not in proc.stdout
