@@ -30,7 +30,7 @@ from src.evaluation import evaluate
 from src.export import export_model
 from src.hang_watch import HangWatch
 from src.launch import (Setting, build_accelerator, check_replicas_in_sync, describe_launch, launch_settings,
-                        run_then_release, shut_down)
+                        outlive_main, run_then_release, shut_down)
 from src.nonfinite import NonFiniteGuard
 from src.optim import build_optimizer
 from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
@@ -88,6 +88,7 @@ def main(cfg: DictConfig) -> float | None:
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler
     )
+    outlive_main(accelerator, model)  # multi-process: no gloo teardown in a destructor (src/launch.py)
     ema = build_ema(accelerator, model, trainer.ema_decay)  # registered for checkpointing: load_state restores it
     if checkpoint:
         load_checkpoint(accelerator, checkpoint, state, trainer.seed)  # on this layout: the global batch must match

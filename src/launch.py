@@ -342,17 +342,44 @@ def shut_down(accelerator: Accelerator) -> None:
         GradientState._reset_state()
 
 
-def run_then_release(main: Callable[[], None]) -> None:
-    """Run a @hydra.main entry point, then free what it left in reference cycles before exiting.
+# Objects whose destruction is left to the process's exit (see outlive_main).
+_UNTIL_EXIT: list = []
 
-    A DDP wrapper keeps the gloo process group alive inside reference cycles; if the interpreter frees it
-    during shutdown, a gloo thread can abort the process ("terminate called without an active exception"),
-    about 1 run in 10 here. The exit status (e.g. PREEMPTED_EXIT_CODE, or Hydra's 1 on errors) is kept.
+
+def outlive_main(accelerator: Accelerator, model: torch.nn.Module) -> None:
+    """Keep a multi-process run's DDP model alive until the process exits, and let run_then_release end it
+    with os._exit, so that its process group is never destroyed by a destructor.
+
+    Freeing DDP's Reducer releases the last reference to the gloo process group (end_training has removed it
+    from torch's registry), whose destructor joins its worker thread while holding the GIL; if that worker is
+    still finishing the last collective's work, it needs the GIL to drop its tensors: a deadlock (py-spy:
+    ~Reducer -> ~ProcessGroupGloo -> thread::join against ~AsyncBarrierWork -> gil_scoped_acquire). It showed
+    as a rank hanging after "exported the final model", in several CI runs. At interpreter shutdown the same
+    teardown could abort the process instead ("terminate called without an active exception").
     """
+    if accelerator.num_processes > 1:
+        _UNTIL_EXIT.append(model)
+
+
+def run_then_release(main: Callable[[], None]) -> None:
+    """Run a @hydra.main entry point and exit with its status (e.g. PREEMPTED_EXIT_CODE, or Hydra's 1 on
+    errors). A multi-process run ends with os._exit once its output is flushed (see outlive_main: everything
+    it wrote is closed by then: checkpoints, exports, TensorBoard via end_training); a one-process run frees
+    what it left in reference cycles and exits normally."""
     try:
         main()
         status = 0
     except SystemExit as exit_request:  # its traceback (and the frames holding the model) goes with this block
         status = exit_request.code
+    if status is None:
+        status = 0
+    elif not isinstance(status, int):  # sys.exit("message") prints the message and exits 1
+        print(status, file=sys.stderr)
+        status = 1
+    if _UNTIL_EXIT:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(status)
     gc.collect()
     sys.exit(status)
