@@ -98,7 +98,7 @@ def main(cfg: DictConfig) -> float | None:
     preemption = PreemptionWatch()
     guard = NonFiniteGuard(accelerator, trainer.nonfinite, trainer.max_consecutive_skips, run_dir, preemption)
     hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s)
-    early_stopping = EarlyStopping(accelerator, trainer.monitor, trainer.monitor_mode, trainer.early_stopping_patience,
+    early_stopping = EarlyStopping(trainer.monitor, trainer.monitor_mode, trainer.early_stopping_patience,
                                    trainer.early_stopping_min_delta)
 
     # Loop: one iteration per optimizer step, over a window of `accumulation` micro-batches whose loss is

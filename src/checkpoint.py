@@ -15,7 +15,6 @@ new one is written and nothing is atomic, so a kill during a save can leave no l
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -32,8 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import load_model
 
-from src.schema import UsageError, data_sizes_unresolved
-from src.train_state import TrainState
+from src.schema import UsageError, data_sizes_unresolved, flatten
+from src.train_state import TrainState, improves
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +144,8 @@ def _per_process_samples(leaves: dict) -> Optional[int]:
 
 def _leaves(cfg: DictConfig) -> dict:
     """full.key -> value of every leaf (lists count as one value), resolved, enums as names."""
-    def walk(node: dict, prefix: str) -> dict:
-        out = {}
-        for key, value in node.items():
-            out.update(walk(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-        return out
-
     with data_sizes_unresolved():
-        return walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
+        return flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
 
 def _under(leaf: str, scope: str) -> bool:
@@ -192,13 +185,10 @@ class Checkpointer:
         if self.monitor is None:
             return False
         value = metrics[self.monitor]
-        if not math.isfinite(value):  # a NaN or infinite metric is reported, never the best
+        if not improves(value, state.best_metric, self.mode):  # a NaN or infinite metric is never the best
             return False
-        best = state.best_metric
-        if best is None or (value < best if self.mode == "min" else value > best):
-            state.best_metric, state.best_step = value, state.step
-            return True
-        return False
+        state.best_metric, state.best_step = value, state.step
+        return True
 
     def save(self, state: TrainState) -> Path:
         """Every rank must call this (save_state has each rank write its RNG state)."""

@@ -5,43 +5,32 @@ Its counters live in TrainState, so they are checkpointed: a resumed run continu
 already stopped early stays stopped. A non-finite metric never counts as an improvement.
 """
 
-import logging
-import math
 from typing import Optional
 
-import torch
-from accelerate import Accelerator
-
-from src.train_state import TrainState
-
-log = logging.getLogger(__name__)
+from src.train_state import TrainState, improves
 
 
 class EarlyStopping:
-    def __init__(self, accelerator: Accelerator, monitor: Optional[str], mode: str, patience: Optional[int],
-                 min_delta: float):
-        self.accelerator, self.monitor, self.mode = accelerator, monitor, mode
+    def __init__(self, monitor: Optional[str], mode: str, patience: Optional[int], min_delta: float):
+        self.monitor, self.mode = monitor, mode
         self.patience, self.min_delta = patience, min_delta
 
     def already_stopped(self, state: TrainState) -> bool:
         return self.patience is not None and state.evals_without_improvement >= self.patience
 
     def should_stop(self, metrics: Optional[dict[str, float]], state: TrainState) -> bool:
-        """After each optimizer step, on every rank; `metrics` are the step's evaluation metrics, if any."""
+        """After each optimizer step, on every rank; `metrics` are the step's evaluation metrics, if any.
+
+        Every rank decides the same without a collective: evaluate() returns the same metrics on every rank
+        (they are reduced over all of them), as the best-checkpoint choice already relies on."""
         if self.patience is None or metrics is None:
             return False
-        value, best = metrics[self.monitor], state.early_stopping_best
-        margin = self.min_delta if self.mode == "min" else -self.min_delta
-        improved = math.isfinite(value) and (
-            best is None or (value < best - margin if self.mode == "min" else value > best - margin))
-        if improved:
+        value = metrics[self.monitor]
+        if improves(value, state.early_stopping_best, self.mode, self.min_delta):
             state.early_stopping_best, state.evals_without_improvement = value, 0
         else:
             state.evals_without_improvement += 1
-        stop = state.evals_without_improvement >= self.patience
-        if self.accelerator.num_processes > 1:  # the metrics are reduced over all ranks already; made sure
-            stop = bool(self.accelerator.reduce(torch.tensor(float(stop), device=self.accelerator.device), "max"))
-        return stop
+        return self.already_stopped(state)
 
     def reason(self, state: TrainState) -> str:
         return (f"early stopping: {self.monitor} did not improve on {state.early_stopping_best:.6g} by more than "

@@ -6,6 +6,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
+from src.schema import flatten
 from src.trackers import remember_run_ids
 
 log = logging.getLogger("train")
@@ -33,19 +34,12 @@ def start_run_log(accelerator: Accelerator, cfg: DictConfig, run_dir: Path, bann
     # so its curves have no duplicated steps.
     accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": {"purge_step": first_step + 1 if first_step else None}})
     remember_run_ids(accelerator, list(cfg.trainer.trackers), run_dir)
-    flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
     for tracker in accelerator.trackers:
         # TensorBoard gets the YAML as text below; the others, params, once: a resumed run continues the
         # tracker's run, whose params are fixed (MLflow refuses to change one, e.g. an extended max_steps).
         if tracker.name != "tensorboard" and first_step == 0:
-            tracker.store_init_configuration(flat)
+            tracker.store_init_configuration(flatten(OmegaConf.to_container(cfg, resolve=True)))
     if accelerator.is_main_process and "tensorboard" in cfg.trainer.trackers:
         tracker = accelerator.get_tracker("tensorboard", unwrap=True)
         tracker.add_text("config", "```\n" + OmegaConf.to_yaml(cfg, resolve=True) + "\n```", global_step=first_step)
 
-
-def _flatten(node: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in node.items():
-        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
-    return out

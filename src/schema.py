@@ -390,6 +390,14 @@ def describe(target: str | Callable) -> str:
     return "\n".join(f"{n:<{widths[0]}}  {t:<{widths[1]}}  {d:<{widths[2]}}  {h}" for n, t, d, h in rows)
 
 
+def flatten(node: dict, prefix: str = "") -> dict:
+    """full.key -> value of every leaf of a plain nested dict (lists count as one value)."""
+    out = {}
+    for key, value in node.items():
+        out.update(flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
 def markdown_reference(target: str | Callable, prefix: str) -> str:
     """The parameters as a Markdown table (`python -m src.schema --markdown TARGET PREFIX`): the README's
     reference of `trainer.*` is this output, and a test keeps it so."""

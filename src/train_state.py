@@ -1,7 +1,16 @@
 """Where training is: the counters a checkpoint must hold to continue exactly where it stopped."""
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional
+
+
+def improves(value: float, best: Optional[float], mode: str, min_delta: float = 0.0) -> bool:
+    """Whether `value` beats `best` (None: nothing yet) by more than min_delta, lower or higher as `mode`
+    (min | max) says. A NaN or infinite value never does."""
+    if not math.isfinite(value):
+        return False
+    return best is None or (value < best - min_delta if mode == "min" else value > best + min_delta)
 
 
 @dataclass

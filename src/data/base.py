@@ -115,5 +115,5 @@ class DataModule:
         number of processes, so a bounded evaluation is still exact across processes."""
         dataset = self.val
         if max_batches is not None:
-            dataset = Subset(self.val, range(min(len(self.val), max_batches * self.eval_batch_size)))
+            dataset = FirstSamples(self.val, max_batches * self.eval_batch_size)
         return self._loader(dataset, train=False)
