@@ -37,6 +37,7 @@ from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_j
 from src.progress import Progress
 from src.run_log import start_run_log, stop_run_log
 from src.schema import build, resolve_data_sizes
+from src.slurm_sweep import in_submitit_slurm_job, launch_this_node
 from src.sync_batchnorm import sync_batchnorm
 from src.telemetry import Telemetry, process_start_time
 from src.train_state import TrainState
@@ -47,6 +48,8 @@ log = logging.getLogger("train")
 @hydra.main(config_path="config", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if in_submitit_slurm_job():  # hydra/launcher=submitit_slurm: this node starts its training processes
+        return launch_this_node(run_dir)
     cfg = complete_config(cfg)  # every default filled in from the signatures, every value checked
     checkpoint = resume_source(cfg.resume, run_dir)  # refuses to write into another run's directory
     if checkpoint:
@@ -179,7 +182,7 @@ def main(cfg: DictConfig) -> float | None:
     telemetry.summary(run_dir, stop_reason or "finished", state.step, accelerator.num_processes,
                       trainer.mixed_precision, metrics, best, step_loss)
     if preempted:  # resume later from the checkpoint just saved
-        requeue_slurm_job(accelerator)
+        requeue_slurm_job(accelerator, preemption)
         shut_down(accelerator)
         sys.exit(PREEMPTED_EXIT_CODE)
 

@@ -247,15 +247,19 @@ class ValidateConfig(Callback):
                 pass
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._exit_on_errors(config, config.hydra.sweep.dir)  # each job's own values are checked by train.py
+        # Each job's own values are checked by train.py; the launcher's settings before anything is submitted.
+        self._exit_on_errors(config, config.hydra.sweep.dir, multirun=True)
 
     @staticmethod
-    def _exit_on_errors(config: DictConfig, run_dir: str) -> None:
+    def _exit_on_errors(config: DictConfig, run_dir: str, multirun: bool = False) -> None:
         from src.launch import launch_settings  # here: src.launch imports torch.distributed pieces
+        from src.slurm_sweep import check_submitit_slurm
 
         warnings = []
         try:
             check_run_dir_can_be_made(run_dir)
+            if multirun:
+                check_submitit_slurm(config.hydra)
             launch_settings(complete_config(config, warnings).trainer)
             for warning in warnings:
                 print(f"Warning: {warning}", file=sys.stderr)

@@ -1,10 +1,13 @@
-"""Stopping cleanly when the cluster asks: SIGUSR1 (SLURM's warning before the time limit) or SIGTERM.
+"""Stopping cleanly when the cluster asks: SIGUSR1 (SLURM's warning before the time limit, as the sbatch
+scripts ask for it), SIGUSR2 (the same, as submitit asks for it) or SIGTERM.
 
 The handler only sets a flag. Every optimizer step the ranks agree on it (the signal may have reached only
 some of them) in the collective the non-finite check makes anyway (src/nonfinite.py), so stopping costs no
-collective of its own; then one checkpoint is saved and the run stops. Under SLURM, rank 0
-requeues the job, which resumes from that checkpoint with resume=auto; elsewhere the process exits with
-PREEMPTED_EXIT_CODE so a wrapper script can tell "saved, start me again" from success and failure.
+collective of its own; then one checkpoint is saved and the run stops. After the warning signals, rank 0
+requeues the SLURM job, which resumes from that checkpoint with resume=auto. SIGTERM saves too but does not
+requeue: it is what `scancel` sends, and a job SLURM preempts with PreemptMode=REQUEUE is requeued by SLURM
+itself. The process then exits with PREEMPTED_EXIT_CODE, so a wrapper script can tell "saved, start me
+again" from success and failure.
 """
 
 import logging
@@ -18,7 +21,8 @@ from accelerate import Accelerator
 log = logging.getLogger(__name__)
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): temporary failure, retry later
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (*REQUEUE_SIGNALS, signal.SIGTERM)
 
 
 class PreemptionWatch:
@@ -47,11 +51,16 @@ class PreemptionWatch:
         return signal.Signals(self.received).name if self.received else "a signal to another rank"
 
 
-def requeue_slurm_job(accelerator: Accelerator) -> bool:
-    """Put this SLURM job back in the queue (rank 0 only); it restarts the same batch script."""
+def requeue_slurm_job(accelerator: Accelerator, preemption: PreemptionWatch) -> bool:
+    """Put this SLURM job back in the queue (rank 0, after SIGUSR1/SIGUSR2); it restarts the same batch script."""
     array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     job_id = f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID")
     if not job_id or not accelerator.is_main_process:
+        return False
+    if preemption.received not in REQUEUE_SIGNALS:
+        log.warning("SLURM job %s stopped on %s: not requeued (only SIGUSR1/SIGUSR2, the time-limit warning, "
+                    "requeue); resume=auto in the same run dir continues from the checkpoint just saved",
+                    job_id, preemption.describe())
         return False
     result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
     if result.returncode != 0:

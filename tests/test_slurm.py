@@ -1,5 +1,6 @@
 """The SLURM scripts on a real (local, 2-node) SLURM cluster: `scripts/local_slurm.sh start` brings one up."""
 
+import json
 import shutil
 import socket
 import subprocess
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, launch_command, max_abs_diff, run, scalars
 
 
 def cluster_is_up() -> bool:
@@ -110,10 +111,76 @@ def test_sigkill_of_one_training_process_fails_the_whole_job_without_hanging(tmp
         assert time.monotonic() < deadline, "training never started"
         time.sleep(0.2)
     workers = subprocess.run(["pgrep", "-f", f"train.py .*hydra.run.dir={run_dir}"], capture_output=True, text=True)
+    launchers = ("accelerate", "launch_node.sh")  # srun's, the node script's and the launcher's command lines
     training = [int(p) for p in workers.stdout.split()
-                if "accelerate" not in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+                if not any(word in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace") for word in launchers)]
     assert len(training) == 2
     started = time.monotonic()
     subprocess.run(["kill", "-9", str(training[-1])], check=True)
     assert wait_for_end(job, 120) == "FAILED"
     assert time.monotonic() - started < 90
+
+
+def test_a_submitit_sweep_runs_each_job_on_two_nodes_resumes_a_preempted_job_and_returns_the_metrics(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="optional: pip install -r requirements-extras.txt")
+    import pickle
+
+    overrides = [*TRAIN, "model.dropout=0.1", "trainer.max_steps=100", "trainer.checkpoint_every=10",
+                 "trainer.monitor=eval/loss", "trainer.eval_batches=2"]
+    sweep = tmp_path / "sweep"
+    sweeper = subprocess.Popen(
+        launch_command("train.py", 1) + ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
+                                         "hydra.launcher.timeout_min=5", *overrides, "optimizer.lr=1e-3,3e-3",
+                                         f"hydra.sweep.dir={sweep}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # Preempt job 0 mid-run as SLURM would before its time limit (submitit asks for SIGUSR2).
+        deadline = time.monotonic() + 120
+        while not (sweep / "0" / "checkpoints" / "step_00000010").is_dir():
+            assert time.monotonic() < deadline and sweeper.poll() is None, "job 0 never checkpointed"
+            time.sleep(0.1)
+        (job,) = {p.name.split("_")[0] for p in (sweep / ".submitit").glob("*_0")}
+        subprocess.run(["scancel", "--signal=USR2", f"{job}_0"], check=True)
+        release = lambda: subprocess.run(["scontrol", "update", f"JobId={job}_0", "StartTime=now"])  # noqa: E731
+        deadline = time.monotonic() + 240
+        while sweeper.poll() is None:
+            assert time.monotonic() < deadline, "the sweep did not end"
+            if job_field(f"{job}_0", "JobState") == "PENDING" and job_field(f"{job}_0", "Restarts") not in ("", "0"):
+                release()  # a requeued job waits for a begin time SLURM sets (about 2 minutes)
+            time.sleep(0.5)
+        output = sweeper.stdout.read()
+        assert sweeper.returncode == 0, output[-3000:]
+    finally:
+        sweeper.kill()
+        subprocess.run(["scancel", f"{job}"] if "job" in locals() else ["true"])
+    assert "on SIGUSR2: saving a checkpoint" in (sweep / "0" / "train.log").read_text()
+    for number, lr in ((0, "0.001"), (1, "0.003")):
+        log = (sweep / str(number) / "train.log").read_text()
+        assert "processes                   : 2 (1 per node, 2 node(s))" in log and "DistributedType.MULTI_CPU" in log
+        assert f"  lr: {lr}\n" in (sweep / str(number) / "config.yaml").read_text()
+        best = json.loads((sweep / str(number) / "summary.json").read_text())["best"]["value"]
+        # What the launcher hands Hydra's sweeper: node 0's return value of train.py's main.
+        (result,) = (sweep / ".submitit").glob(f"*_{number}/*_{number}_0_result.pkl")
+        status, job_return = pickle.loads(result.read_bytes())
+        assert status == "success" and job_return.return_value == best
+    # The preempted and resumed job ends with the weights of an uninterrupted 2-process run.
+    run([*overrides, "optimizer.lr=1e-3", f"hydra.run.dir={tmp_path / 'local'}"], nproc=2)
+    assert scalars(sweep / "0", "train/loss") == scalars(tmp_path / "local", "train/loss")
+    assert max_abs_diff(exported_weights(sweep / "0"), exported_weights(tmp_path / "local")) == 0
+
+
+def test_a_plain_scancel_saves_a_checkpoint_and_is_not_requeued(tmp_path):
+    run_dir = tmp_path / "run"
+    job = submit("train_multi_node.sbatch", [],
+                 [*TRAIN, "trainer.max_steps=100000", "trainer.checkpoint_every=100000", f"hydra.run.dir={run_dir}"],
+                 tmp_path / "log")
+    deadline = time.monotonic() + 120
+    while not list((run_dir / "tensorboard").glob("events.*")):
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+    time.sleep(2)
+    subprocess.run(["scancel", job], check=True)  # SIGTERM to every process of the job
+    assert wait_for_end(job, 120) == "CANCELLED"
+    log = (tmp_path / "log").read_text(errors="replace")
+    assert "on SIGTERM: saving a checkpoint" in log and "not requeued" in log
+    assert job_field(job, "Restarts") == "0" and list((run_dir / "checkpoints").glob("step_*"))
