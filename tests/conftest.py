@@ -1,6 +1,7 @@
 """Shared helpers: real launches of train.py / eval.py as subprocesses, and readers for what they write."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -51,6 +52,16 @@ def run(args: list[str], script: str = "train.py", nproc: int = 1, launcher: str
     return proc
 
 
+def copy_of_repo(dest: Path) -> Path:
+    """The repository's tracked files, modes kept, in `dest`: commands from the README run there as a user
+    would, and what they write stays out of this checkout."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in tracked:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
 def scalars(run_dir: Path, tag: str) -> dict[int, float]:
     """step -> value for one scalar tag, as TensorBoard shows it: all event files of the run's log dir,
     read in order, with the purge a resumed run requests applied. Fails on a duplicated step."""
@@ -86,3 +97,15 @@ def cifar_root(tmp_path_factory) -> Path:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slurm: needs a running SLURM cluster (scripts/local_slurm.sh start)")
+    config.addinivalue_line("markers", "slow: the README's commands and the SLURM jobs; run with -m slow (CI runs both)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`python -m pytest tests` leaves the slow tests out, to stay near 10 minutes on 2 cores; an explicit
+    -m (e.g. `-m slow`, as CI runs after the rest) selects as usual."""
+    if config.getoption("markexpr"):
+        return
+    skip = pytest.mark.skip(reason="slow: python -m pytest tests -m slow runs it (CI does)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

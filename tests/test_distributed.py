@@ -77,18 +77,6 @@ def test_eval_metric_is_the_same_on_one_and_two_processes_with_an_odd_validation
         assert abs(reports[1][metric] - reports[2][metric]) < 1e-9, metric
 
 
-def test_torchrun_accelerate_launch_and_the_cpu_ddp_config_train_identically(tmp_path):
-    args = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "data.batch_size=4", "trainer.checkpoint_every=0",
-            "trainer.monitor=null"]
-    launchers = ("accelerate", "torchrun", "accelerate_config")
-    for launcher in launchers:
-        proc = run([*args, f"hydra.run.dir={tmp_path / launcher}"], nproc=2, launcher=launcher)
-        assert "DistributedType.MULTI_CPU" in proc.stdout, launcher
-    for launcher in launchers[1:]:
-        assert max_abs_diff(exported_weights(tmp_path / "accelerate"), exported_weights(tmp_path / launcher)) == 0
-        assert scalars(tmp_path / "accelerate", "train/loss") == scalars(tmp_path / launcher, "train/loss")
-
-
 def test_ranks_of_one_launch_agree_on_the_default_timestamped_run_dir(tmp_path):
     """No hydra.run.dir: each rank resolves the timestamp itself, and they must all pick the same one."""
     (tmp_path / "data").mkdir()

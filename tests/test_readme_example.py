@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from tests.conftest import ROOT, scalars
+from tests.conftest import ROOT, copy_of_repo, scalars
 
 README = (ROOT / "README.md").read_text()
 
@@ -35,10 +35,7 @@ def test_readme_example_adds_only_new_files_trains_on_one_and_two_processes_expo
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     assert not [name for name, _ in files if name in tracked], "the example must add files, not edit ours"
 
-    repo = tmp_path / "repo"  # a copy, so the example never touches this checkout
-    for name in tracked:
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        (repo / name).write_bytes((ROOT / name).read_bytes())
+    repo = copy_of_repo(tmp_path / "repo")  # a copy, so the example never touches this checkout
     for name, code in files:
         (repo / name).write_text(code)
     write_table(repo / "data" / "table.csv")

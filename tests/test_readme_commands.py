@@ -1,0 +1,170 @@
+"""Every shell command of the README runs: each line of its ```bash blocks and each command of its Launching
+table is either run here, shortened (a tiny model, 2 steps, test data in place of /data paths), or listed
+with the reason it is not. A command added to or changed in the README fails the first test until it is
+listed below, so the README cannot drift from the code unseen."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, copy_of_repo, exported_weights, max_abs_diff, scalars
+from tests.test_slurm import CPU_NODES, cluster_is_up, job_field
+
+README = (ROOT / "README.md").read_text()
+
+# The Launching table's ways to start 2 CPU processes: each one real DDP, one run dir, the same training.
+LAUNCHERS = ["accelerate launch --multi_gpu --num_processes N train.py",
+             "accelerate launch --config_file config/accelerate/cpu_ddp.yaml train.py", "torchrun --nproc_per_node N train.py"]
+
+# Shortening: appended after the README's own overrides, so they win.
+TINY = ["model.n_head=1", "model.n_embd=16", "model.block_size=16"]  # the default GPT, tiny (its depth kept)
+STEPS = ["trainer.max_steps=2", "trainer.eval_batches=1", "trainer.log_every=1"]
+TINY_HF = ["model.config.n_layer=1", "model.config.n_head=1", "model.config.n_embd=16", "model.block_size=16"]
+SETUP = "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt && "
+
+# (README command, {README text: what runs instead}, appended arguments), run in this order in a copy of the
+# repository: later commands use what earlier ones wrote (outputs/my_run, data/shakespeare.bin).
+RUN = [
+    (SETUP + "accelerate launch train.py", {SETUP: ""}, [*TINY, *STEPS]),  # the install: README's set-up check
+    ("accelerate launch train.py", {}, [*TINY, *STEPS]),
+    ("python train.py", {}, [*TINY, *STEPS]),
+    ("accelerate launch --multi_gpu --num_processes N train.py", {" N ": " 2 "}, [*TINY, *STEPS]),
+    ("accelerate launch --config_file config/accelerate/cpu_ddp.yaml train.py", {}, [*TINY, *STEPS]),
+    ("torchrun --nproc_per_node N train.py", {" N ": " 2 "}, [*TINY, *STEPS]),
+    ("accelerate launch train.py model=hf_causal_lm", {}, [*TINY_HF, *STEPS]),
+    ("accelerate launch train.py model=hf_causal_lm data=jsonl objective=causal_lm", {}, [*TINY_HF, *STEPS]),
+    ("accelerate launch train.py model.n_layer=6 optimizer.lr=6e-4 trainer.max_steps=5000", {}, [*TINY, *STEPS]),
+    ("accelerate launch train.py experiment=cifar10_resnet data.root=/data/cifar-10-batches-bin",
+     {"/data/cifar-10-batches-bin": "{cifar}"}, [*STEPS, "data.batch_size=8"]),
+    ("python scripts/prepare_tokens.py data/tinyshakespeare.txt data/shakespeare.bin", {}, []),
+    ("accelerate launch train.py data=tokens data.path=data/shakespeare.bin data.vocab_size=256", {}, [*TINY, *STEPS]),
+    ("accelerate launch train.py hydra.run.dir=outputs/my_run resume=auto", {}, [*TINY, *STEPS]),
+    ("accelerate launch train.py resume=outputs/my_run/checkpoints/step_00000500 hydra.run.dir=outputs/fork",
+     {"step_00000500": "step_00000002"}, [*TINY, *STEPS, "trainer.max_steps=3"]),
+    ("accelerate launch --multi_gpu --num_processes 2 train.py hydra.run.dir=outputs/run data.batch_size=4",
+     {}, [*TINY, *STEPS]),
+    ("accelerate launch train.py hydra.run.dir=outputs/run data.batch_size=4 trainer.gradient_accumulation_steps=2 "
+     "resume=auto", {}, [*TINY, *STEPS, "trainer.max_steps=3"]),
+    ("python eval.py path=outputs/RUN/model", {"RUN": "my_run"}, []),
+    ("accelerate launch --multi_gpu --num_processes 2 eval.py path=outputs/RUN/checkpoints/step_00000500 "
+     "+data.batch_size=256", {"RUN": "my_run", "step_00000500": "step_00000002"}, []),
+    ("python train.py -m optimizer.lr=1e-3,3e-4 model.n_layer=4,6 trainer.max_steps=500",
+     {"trainer.max_steps=500": "trainer.max_steps=2"}, [*TINY, "trainer.eval_batches=1"]),
+    ("python train.py -m hparams_search=optuna hydra.sweeper.n_trials=20 trainer.max_steps=500",
+     {"n_trials=20": "n_trials=2", "trainer.max_steps=500": "trainer.max_steps=2"}, [*TINY, "trainer.eval_batches=1"]),
+]
+# On the local SLURM cluster (scripts/local_slurm.sh): nodes with one CPU and no GPU, as a user overrides.
+RUN_ON_SLURM = [
+    ("sbatch slurm/train_single_node.sbatch experiment=cifar10_resnet data.root=/data/cifar-10-batches-bin",
+     {"/data/cifar-10-batches-bin": "{cifar}"}, [*STEPS, "data.batch_size=8"]),
+    ("sbatch slurm/train_multi_node.sbatch model=gpt trainer.max_steps=1000 hydra.run.dir=/scratch/x",
+     {"/scratch/x": "outputs/scratch_x"}, [*TINY, *STEPS]),
+    ("sbatch --nodes=4 --time=48:00:00 slurm/train_multi_node.sbatch experiment=owt_tokens "
+     "data.path=/data/owt/train.bin", {"--nodes=4": "--nodes=2", "/data/owt/train.bin": "data/shakespeare.bin"},
+     [*TINY, *STEPS, "data.batch_size=4", "trainer.compile=false"]),  # no C++ compiler needed
+    ("python train.py -m hydra/launcher=submitit_slurm hydra.launcher.nodes=2 hydra.launcher.gpus_per_node=8 "
+     "hydra.launcher.timeout_min=600 optimizer.lr=1e-3,3e-4", {"gpus_per_node=8": "gpus_per_node=null"},
+     [*TINY, *STEPS]),
+]
+NOT_RUN = {
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt -r requirements-extras.txt "
+    "&& python -m pytest tests": "the suite itself: .ci/run runs it verbatim (checked below)",
+    "accelerate launch train.py model=mlp data=csv objective=mse trainer.max_steps=300 hydra.run.dir=outputs/mlp":
+        "tests/test_readme_example.py runs it verbatim, with the example's files",
+    "accelerate launch --multi_gpu --num_processes 2 train.py model=mlp data=csv objective=mse trainer.max_steps=300 "
+    "hydra.run.dir=outputs/mlp_ddp": "tests/test_readme_example.py runs it verbatim, with the example's files",
+    "accelerate launch --config_file config/accelerate/single_gpu.yaml train.py": "needs a CUDA GPU",
+    "accelerate launch --config_file config/accelerate/multi_gpu.yaml train.py": "needs CUDA GPUs",
+    "accelerate launch --config_file config/accelerate/fsdp.yaml train.py": "needs CUDA GPUs",
+    "sbatch slurm/train_multi_node.sbatch ...": "a pointer to the SLURM section, whose commands run here",
+}
+
+
+def readme_commands() -> list[str]:
+    """Each line of each bash block (comments dropped) and each command of the Launching table."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        commands += [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
+    table = README.split("## Launching")[1].split("\n\n")[1]
+    for row in table.splitlines()[2:]:
+        commands += re.findall(r"`((?:accelerate|python|torchrun|sbatch) [^`]*)`", row.split("|")[2])
+    return commands
+
+
+def shell_command(readme: str, replace: dict, extra: list[str], cifar) -> str:
+    command = readme
+    for old, new in replace.items():
+        assert old in command, f"{old!r} is not in {readme!r}"
+        command = command.replace(old, new.format(cifar=cifar))
+    return " ".join([command, *extra])
+
+
+def test_every_readme_command_is_run_or_listed_with_the_reason_it_is_not():
+    listed = [c for c, _, _ in RUN + RUN_ON_SLURM] + list(NOT_RUN)
+    found = readme_commands()
+    assert sorted(set(found) - set(listed)) == [], "README commands that this test neither runs nor lists"
+    assert sorted(set(listed) - set(found)) == [], "listed here but no longer in the README"
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_command = next(c for c in NOT_RUN if c.endswith("python -m pytest tests"))
+    assert test_command in ci, ".ci/run must run the README's test command verbatim"
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory, cifar_root):
+    """A copy of the repository the commands run in (what they write stays out of this checkout)."""
+    return copy_of_repo(tmp_path_factory.mktemp("readme") / "repo")
+
+
+def run_in(repo, command: str, timeout: int = 300) -> str:
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(command, shell=True, cwd=repo, env=env, text=True, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout, f"{command}\n{proc.stdout[-4000:]}"
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_the_readme_commands_run_and_its_launchers_train_identically(repo, cifar_root):
+    pytest.importorskip("transformers", reason="optional: pip install -r requirements-extras.txt")
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="optional: pip install -r requirements-extras.txt")
+    outputs, done, launched = repo / "outputs", set(), {}
+    for readme, replace, extra in RUN:
+        command = shell_command(readme, replace, extra, cifar_root)
+        if command in done:  # the set-up's training command is also the Launching table's first
+            continue
+        before = set(outputs.glob("*"))
+        output = run_in(repo, command)
+        done.add(command)
+        if "resume=outputs/" in command or "resume=auto" in command and "outputs/run " in command:
+            assert "resumed from" in output, output[-3000:]
+        if readme in LAUNCHERS:
+            assert "DistributedType.MULTI_CPU" in output, output[-3000:]
+            (launched[readme],) = set(outputs.glob("*")) - before  # every rank in the same run dir
+    assert (outputs / "fork" / "model").is_dir() and (outputs / "run" / "model").is_dir()
+    assert (outputs / "my_run" / "model" / "eval_metrics.json").is_file()
+    assert (outputs / "my_run" / "checkpoints" / "step_00000002" / "eval_metrics.json").is_file()
+    first, *others = (launched[readme] for readme in LAUNCHERS)
+    for other in others:
+        assert max_abs_diff(exported_weights(first), exported_weights(other)) == 0
+        assert scalars(first, "train/loss") == scalars(other, "train/loss")
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.skipif(not cluster_is_up(), reason="no SLURM cluster here (start one: scripts/local_slurm.sh start)")
+def test_the_readme_slurm_commands_run(repo, cifar_root):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="optional: pip install -r requirements-extras.txt")
+    if not (repo / "data" / "shakespeare.bin").is_file():  # made by a README command in the test above
+        run_in(repo, "python scripts/prepare_tokens.py data/tinyshakespeare.txt data/shakespeare.bin")
+    for readme, replace, extra in RUN_ON_SLURM:
+        command = shell_command(readme, replace, extra, cifar_root)
+        if command.startswith("sbatch"):
+            sbatch = f"sbatch --parsable --wait {' '.join(CPU_NODES)} --output=slurm-%j.out"
+            output = run_in(repo, command.replace("sbatch", sbatch, 1))
+            job = output.strip().splitlines()[0].split(";")[0]
+            assert job_field(job, "JobState") == "COMPLETED", (repo / f"slurm-{job}.out").read_text()[-3000:]
+        else:
+            run_in(repo, command, timeout=240)
