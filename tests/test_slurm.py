@@ -53,6 +53,17 @@ def wait_for_end(job_id: str, timeout: float, on_pending_requeue=None) -> str:
     raise AssertionError(f"job {job_id} still {job_field(job_id, 'JobState')} after {timeout} s")
 
 
+def submit_endless_run(run_dir: Path, overrides: list[str], log: Path) -> str:
+    """A 2-node job that trains until stopped; returns its id once training has started."""
+    job = submit("train_multi_node.sbatch", [],
+                 [*TRAIN, "trainer.max_steps=100000", *overrides, f"hydra.run.dir={run_dir}"], log)
+    deadline = time.monotonic() + 120
+    while not list((run_dir / "tensorboard").glob("events.*")):
+        assert time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+    return job
+
+
 def test_two_node_job_ends_with_the_weights_of_a_single_node_two_process_run(tmp_path):
     """With its main port already taken on the main host: the script picks a free one."""
     overrides = [*TRAIN, "trainer.max_steps=8"]
@@ -97,13 +108,7 @@ def test_usr1_checkpoints_requeues_and_resumes_in_the_job_id_run_dir_to_the_unin
 
 def test_sigkill_of_one_training_process_fails_the_whole_job_without_hanging(tmp_path):
     run_dir = tmp_path / "run"
-    job = submit("train_multi_node.sbatch", [],
-                 [*TRAIN, "trainer.max_steps=100000", "trainer.dist_timeout_s=60", f"hydra.run.dir={run_dir}"],
-                 tmp_path / "log")
-    deadline = time.monotonic() + 120
-    while not list((run_dir / "tensorboard").glob("events.*")):
-        assert time.monotonic() < deadline, "training never started"
-        time.sleep(0.2)
+    job = submit_endless_run(run_dir, ["trainer.dist_timeout_s=60"], tmp_path / "log")
     workers = subprocess.run(["pgrep", "-f", f"train.py .*hydra.run.dir={run_dir}"], capture_output=True, text=True)
     launchers = ("accelerate", "launch_node.sh")  # srun's, the node script's and the launcher's command lines
     training = [int(p) for p in workers.stdout.split()
@@ -165,13 +170,7 @@ def test_a_submitit_sweep_runs_each_job_on_two_nodes_resumes_a_preempted_job_and
 
 def test_a_plain_scancel_saves_a_checkpoint_and_is_not_requeued(tmp_path):
     run_dir = tmp_path / "run"
-    job = submit("train_multi_node.sbatch", [],
-                 [*TRAIN, "trainer.max_steps=100000", "trainer.checkpoint_every=100000", f"hydra.run.dir={run_dir}"],
-                 tmp_path / "log")
-    deadline = time.monotonic() + 120
-    while not list((run_dir / "tensorboard").glob("events.*")):
-        assert time.monotonic() < deadline, "training never started"
-        time.sleep(0.2)
+    job = submit_endless_run(run_dir, ["trainer.checkpoint_every=100000"], tmp_path / "log")
     time.sleep(2)
     subprocess.run(["scancel", job], check=True)  # SIGTERM to every process of the job
     assert wait_for_end(job, 120) == "CANCELLED"
