@@ -204,26 +204,6 @@ def test_a_slurm_sweep_with_several_tasks_per_node_is_refused_before_anything_is
 # --- trackers ----------------------------------------------------------------------------------------------
 
 
-def test_mlflow_logs_offline_from_one_rank_and_a_resumed_run_continues_the_same_mlflow_run(tmp_path):
-    pytest.importorskip("mlflow", reason="optional: pip install -r requirements-extras.txt")
-    from mlflow.tracking import MlflowClient
-
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # a local database: no server, no network
-    args = [*SHORT, "trainer.trackers=[tensorboard,mlflow]", "trainer.tracker_project=tests",
-            "trainer.checkpoint_every=2", f"hydra.run.dir={tmp_path / 'run'}"]
-    run([*args, "trainer.max_steps=2"], nproc=2, env={"MLFLOW_TRACKING_URI": store})
-    run([*args, "trainer.max_steps=4", "resume=auto"], nproc=2, env={"MLFLOW_TRACKING_URI": store})
-
-    client = MlflowClient(tracking_uri=store)
-    experiment = client.get_experiment_by_name("tests")
-    runs = client.search_runs([experiment.experiment_id])
-    assert len(runs) == 1  # one run for two ranks and two launches
-    assert runs[0].info.run_name == "run" and runs[0].data.params["data.batch_size"] == "8"
-    losses = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")}
-    assert losses == scalars(tmp_path / "run", "train/loss")  # what TensorBoard got, steps 1-4
-    assert sorted(losses) == [1, 2, 3, 4]
-
-
 def wandb_offline_records(run_file):
     """The records of an offline W&B run file (what `wandb sync` would upload): LevelDB's log format, a
     7-byte file header, then chunks of [crc32 (4), length (2), type (1)] in 32 KiB blocks."""
@@ -247,14 +227,28 @@ def wandb_offline_records(run_file):
             record = b""
 
 
-def test_wandb_logs_offline_from_one_rank_and_a_resumed_run_continues_the_same_wandb_run(tmp_path):
+def test_mlflow_and_wandb_log_offline_from_one_rank_and_a_resumed_run_continues_the_same_runs(tmp_path):
+    pytest.importorskip("mlflow", reason="optional: pip install -r requirements-extras.txt")
     pytest.importorskip("wandb", reason="optional: pip install -r requirements-extras.txt")
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", **{f"WANDB_{k}_DIR": str(tmp_path / k.lower())
-                                                               for k in ("CACHE", "CONFIG", "DATA")}}
-    args = [*SHORT, "trainer.trackers=[tensorboard,wandb]", "trainer.tracker_project=tests",
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # a local database: no server, no network
+    env = {"MLFLOW_TRACKING_URI": store, "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+           **{f"WANDB_{k}_DIR": str(tmp_path / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
+    args = [*SHORT, "trainer.trackers=[tensorboard,mlflow,wandb]", "trainer.tracker_project=tests",
             "trainer.checkpoint_every=2", f"hydra.run.dir={tmp_path / 'run'}"]
     run([*args, "trainer.max_steps=2"], nproc=2, env=env)
     run([*args, "trainer.max_steps=4", "resume=auto"], nproc=2, env=env)
+    tensorboard = scalars(tmp_path / "run", "train/loss")
+    assert sorted(tensorboard) == [1, 2, 3, 4]
+
+    client = MlflowClient(tracking_uri=store)
+    experiment = client.get_experiment_by_name("tests")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1  # one run for two ranks and two launches
+    assert runs[0].info.run_name == "run" and runs[0].data.params["data.batch_size"] == "8"
+    losses = {m.step: m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")}
+    assert losses == tensorboard
 
     run_id = (tmp_path / "run" / "wandb_run_id").read_text().strip()
     launches = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
@@ -271,5 +265,4 @@ def test_wandb_logs_offline_from_one_rank_and_a_resumed_run_continues_the_same_w
                 params.update({item.key: json.loads(item.value_json) for item in record.config.update})
             elif record.HasField("run"):
                 assert record.run.project == "tests" and record.run.display_name == "run"
-    assert losses == pytest.approx(scalars(tmp_path / "run", "train/loss"), rel=1e-6)  # TensorBoard's, steps 1-4
-    assert sorted(losses) == [1, 2, 3, 4] and params["data.batch_size"] == 8
+    assert losses == pytest.approx(tensorboard, rel=1e-6) and params["data.batch_size"] == 8

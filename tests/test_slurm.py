@@ -129,7 +129,9 @@ def test_a_submitit_sweep_runs_each_job_on_two_nodes_resumes_a_preempted_job_and
     sweep = tmp_path / "sweep"
     sweeper = subprocess.Popen(
         launch_command("train.py", 1) + ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
-                                         "hydra.launcher.timeout_min=5", *overrides, "optimizer.lr=1e-3,3e-3",
+                                         "hydra.launcher.timeout_min=5",
+                                         "+hydra.launcher.additional_parameters.requeue=true",
+                                         *overrides, "optimizer.lr=1e-3,3e-3",
                                          f"hydra.sweep.dir={sweep}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -153,6 +155,7 @@ def test_a_submitit_sweep_runs_each_job_on_two_nodes_resumes_a_preempted_job_and
         sweeper.kill()
         subprocess.run(["scancel", f"{job}"] if "job" in locals() else ["true"])
     assert "on SIGUSR2: saving a checkpoint" in (sweep / "0" / "train.log").read_text()
+    assert "#SBATCH --requeue" in next((sweep / ".submitit").glob("*/*_submission.sh")).read_text()
     for number, lr in ((0, "0.001"), (1, "0.003")):
         log = (sweep / str(number) / "train.log").read_text()
         assert "processes                   : 2 (1 per node, 2 node(s))" in log and "DistributedType.MULTI_CPU" in log
