@@ -13,9 +13,9 @@ MAIN_PORT=${MAIN_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}  # per-job port: con
 # `trap "" USR1 USR2` + exec: the launcher ignores the preemption signals (it would die of them); the
 # training processes inherit that and install their own handler (src/preemption.py).
 trap "" USR1 USR2
-exec accelerate launch --multi_gpu --rdzv_backend static \
-    --num_machines "$SLURM_JOB_NUM_NODES" --machine_rank "$SLURM_NODEID" \
-    --num_processes $(( SLURM_JOB_NUM_NODES * PROCS )) \
-    --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT" \
-    --dynamo_backend no \
-    "$@"
+LAUNCH=(accelerate launch --num_machines "$SLURM_JOB_NUM_NODES" --machine_rank "$SLURM_NODEID"
+        --num_processes $(( SLURM_JOB_NUM_NODES * PROCS ))
+        --main_process_ip "$MAIN_HOST" --main_process_port "$MAIN_PORT" --dynamo_backend no)
+# accelerate refuses --multi_gpu for one process (a 1-node, 1-GPU or 1-CPU job): that one is a plain launch.
+(( SLURM_JOB_NUM_NODES * PROCS > 1 )) && LAUNCH+=(--multi_gpu --rdzv_backend static)
+exec "${LAUNCH[@]}" "$@"

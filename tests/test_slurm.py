@@ -180,3 +180,18 @@ def test_a_plain_scancel_saves_a_checkpoint_and_is_not_requeued(tmp_path):
     log = (tmp_path / "log").read_text(errors="replace")
     assert "on SIGTERM: saving a checkpoint" in log and "not requeued" in log
     assert job_field(job, "Restarts") == "0" and list((run_dir / "checkpoints").glob("step_*"))
+
+
+def test_optuna_trials_run_as_one_process_slurm_jobs_and_the_best_is_what_they_returned(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="optional: pip install -r requirements-extras.txt")
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="optional: pip install -r requirements-extras.txt")
+    import yaml
+
+    sweep = tmp_path / "sweep"
+    run(["-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=2",
+         "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=5", *TINY_GPT, *QUIET, "data.batch_size=4",
+         "trainer.max_steps=2", "trainer.eval_batches=2", f"hydra.sweep.dir={sweep}"], timeout=240)
+    trials = [json.loads((sweep / str(n) / "summary.json").read_text()) for n in (0, 1)]
+    assert [trial["processes"] for trial in trials] == [1, 1]  # a 1-node, 1-process job is a plain launch
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_value"] == min(trial["best"]["value"] for trial in trials)
