@@ -34,12 +34,13 @@ def start_run_log(accelerator: Accelerator, cfg: DictConfig, run_dir: Path, bann
     # so its curves have no duplicated steps.
     accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": {"purge_step": first_step + 1 if first_step else None}})
     remember_run_ids(accelerator, list(cfg.trainer.trackers), run_dir)
-    for tracker in accelerator.trackers:
-        # TensorBoard gets the YAML as text below; the others, params, once: a resumed run continues the
-        # tracker's run, whose params are fixed (MLflow refuses to change one, e.g. an extended max_steps).
-        if tracker.name != "tensorboard" and first_step == 0:
-            tracker.store_init_configuration(flatten(OmegaConf.to_container(cfg, resolve=True)))
+    # TensorBoard gets the YAML as text below; the others, params, once: a resumed run continues the
+    # tracker's run, whose params are fixed (MLflow refuses to change one, e.g. an extended max_steps).
+    with_params = [t for t in accelerator.trackers if t.name != "tensorboard"] if first_step == 0 else []
+    if with_params:
+        params = flatten(OmegaConf.to_container(cfg, resolve=True))
+        for tracker in with_params:
+            tracker.store_init_configuration(params)
     if accelerator.is_main_process and "tensorboard" in cfg.trainer.trackers:
         tracker = accelerator.get_tracker("tensorboard", unwrap=True)
         tracker.add_text("config", "```\n" + OmegaConf.to_yaml(cfg, resolve=True) + "\n```", global_step=first_step)
-

@@ -49,9 +49,7 @@ def sync_batchnorm(model: nn.Module, accelerator: Accelerator) -> nn.Module:
     """Call before accelerator.prepare; a no-op on one process."""
     if accelerator.num_processes == 1:
         return model
-    if accelerator.device.type != "cpu":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    converted = _convert(model)
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(model) if accelerator.device.type != "cpu" else _convert(model)
     log.info("trainer.sync_batchnorm: BatchNorm statistics over all %d processes", accelerator.num_processes)
     return converted
 

@@ -52,14 +52,28 @@ def run(args: list[str], script: str = "train.py", nproc: int = 1, launcher: str
     return proc
 
 
+def tracked_files() -> list[str]:
+    return subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+
+
 def copy_of_repo(dest: Path) -> Path:
     """The repository's tracked files, modes kept, in `dest`: commands from the README run there as a user
     would, and what they write stays out of this checkout."""
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    for name in tracked:
+    for name in tracked_files():
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, dest / name)
     return dest
+
+
+def user_env() -> dict:
+    """A user's shell with this virtualenv activated: `accelerate`, `torchrun` and `python` are its own."""
+    return {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
+
+
+def shell(command: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A command line as a user types it (stdout and stderr merged)."""
+    return subprocess.run(command, shell=True, cwd=cwd, env=user_env(), text=True, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def scalars(run_dir: Path, tag: str) -> dict[int, float]:

@@ -2,6 +2,7 @@
 SyncBatchNorm, training length in epochs, LR scaling by global batch, deterministic runs, a CUDA memory cap."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -107,6 +108,8 @@ def test_deterministic_runs_with_dropout_give_bitwise_equal_weights(tmp_path):
         run([*SHORT, "trainer.max_steps=4", "model.dropout=0.1", "trainer.deterministic=true",
              "trainer.checkpoint_every=0", f"hydra.run.dir={tmp_path / name}"])
     assert max_abs_diff(exported_weights(tmp_path / "first"), exported_weights(tmp_path / "second")) == 0.0
+    # CPU runs repeat bitwise without the switch too: check that it took effect.
+    assert re.search(r"deterministic kernels\s+: True", (tmp_path / "first" / "train.log").read_text())
 
 
 def test_cuda_memory_fraction_is_ignored_with_a_notice_on_cpu(tmp_path):

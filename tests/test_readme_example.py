@@ -1,13 +1,12 @@
 """The README's "bring your own model, data and loss" example, followed verbatim in a copy of the repository:
 its files are new files only, and its commands train on 1 and 2 processes, export, and reload."""
 
-import os
 import random
 import re
 import subprocess
 import sys
 
-from tests.conftest import ROOT, copy_of_repo, scalars
+from tests.conftest import ROOT, copy_of_repo, scalars, shell, tracked_files, user_env
 
 README = (ROOT / "README.md").read_text()
 
@@ -32,7 +31,7 @@ def write_table(path, rows: int = 2000) -> None:
 def test_readme_example_adds_only_new_files_trains_on_one_and_two_processes_exports_and_reloads(tmp_path):
     files, commands, snippets = blocks("example-file"), blocks("example-run"), blocks("example-python")
     assert len(files) == 4 and len(commands) == 1 and len(snippets) == 1
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    tracked = tracked_files()
     assert not [name for name, _ in files if name in tracked], "the example must add files, not edit ours"
 
     repo = copy_of_repo(tmp_path / "repo")  # a copy, so the example never touches this checkout
@@ -40,10 +39,8 @@ def test_readme_example_adds_only_new_files_trains_on_one_and_two_processes_expo
         (repo / name).write_text(code)
     write_table(repo / "data" / "table.csv")
 
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}:{os.environ['PATH']}", "PYTHONUNBUFFERED": "1"}
     for command in commands[0][1].strip().splitlines():
-        proc = subprocess.run(command, shell=True, cwd=repo, env=env, text=True, timeout=300,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = shell(command, repo)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}"
     for run_name, nproc in (("mlp", 1), ("mlp_ddp", 2)):
         run_dir = repo / "outputs" / run_name
@@ -52,7 +49,7 @@ def test_readme_example_adds_only_new_files_trains_on_one_and_two_processes_expo
         assert eval_loss[300] < 0.1 and eval_mae[300] < 0.3  # the target's variance is about 3.5
         assert scalars(run_dir, "eval/accuracy") == {}  # accuracy only where it means something
 
-    proc = subprocess.run([sys.executable, "-c", snippets[0][1]], cwd=repo, env=env, text=True,
+    proc = subprocess.run([sys.executable, "-c", snippets[0][1]], cwd=repo, env=user_env(), text=True,
                           capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"tensor\(\[-?\d", proc.stdout), proc.stdout

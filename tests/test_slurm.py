@@ -40,14 +40,16 @@ def job_field(job_id: str, field: str) -> str:
     return next((w.split("=", 1)[1] for w in out.split() if w.startswith(f"{field}=")), "")
 
 
-def wait_for_end(job_id: str, timeout: float, on_pending_requeue=None) -> str:
+def wait_for_end(job_id: str, timeout: float, release_requeued: bool = False) -> str:
+    """The job's final state. release_requeued: a requeued job waits for a begin time SLURM sets (about 2
+    minutes); release it at once, as an admin may."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = job_field(job_id, "JobState")
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             return state
-        if state == "PENDING" and on_pending_requeue and job_field(job_id, "Restarts") not in ("", "0"):
-            on_pending_requeue()
+        if state == "PENDING" and release_requeued and job_field(job_id, "Restarts") not in ("", "0"):
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
         time.sleep(0.5)
     subprocess.run(["scancel", job_id])
     raise AssertionError(f"job {job_id} still {job_field(job_id, 'JobState')} after {timeout} s")
@@ -91,9 +93,7 @@ def test_usr1_checkpoints_requeues_and_resumes_in_the_job_id_run_dir_to_the_unin
             assert time.monotonic() < deadline and job_field(job, "JobState") in ("PENDING", "RUNNING")
             time.sleep(0.1)
         subprocess.run(["scancel", "--signal=USR1", job], check=True)
-        # A requeued job waits for a begin time SLURM sets (about 2 minutes); release it now, as an admin may.
-        release = lambda: subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])  # noqa: E731
-        assert wait_for_end(job, 300, on_pending_requeue=release) == "COMPLETED", (tmp_path / "log").read_text(errors="replace")[-3000:]
+        assert wait_for_end(job, 300, release_requeued=True) == "COMPLETED", (tmp_path / "log").read_text(errors="replace")[-3000:]
         log = (tmp_path / "log").read_text(errors="replace")
         assert job_field(job, "Restarts") == "1"
         assert "on SIGUSR1: saving a checkpoint" in log and f"requeued SLURM job {job}" in log
@@ -126,14 +126,14 @@ def test_a_submitit_sweep_runs_each_job_on_two_nodes_resumes_a_preempted_job_and
 
     overrides = [*TRAIN, "model.dropout=0.1", "trainer.max_steps=100", "trainer.checkpoint_every=10",
                  "trainer.monitor=eval/loss", "trainer.eval_batches=2"]
-    sweep = tmp_path / "sweep"
-    sweeper = subprocess.Popen(
-        launch_command("train.py", 1) + ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
-                                         "hydra.launcher.timeout_min=5",
-                                         "+hydra.launcher.additional_parameters.requeue=true",
-                                         *overrides, "optimizer.lr=1e-3,3e-3",
-                                         f"hydra.sweep.dir={sweep}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sweep, output, job = tmp_path / "sweep", tmp_path / "sweep.log", None
+    with output.open("w") as out:  # a file, not a pipe: submitit's polling output would fill a pipe's buffer
+        sweeper = subprocess.Popen(
+            launch_command("train.py", 1) + ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
+                                             "hydra.launcher.timeout_min=5",
+                                             "+hydra.launcher.additional_parameters.requeue=true",
+                                             *overrides, "optimizer.lr=1e-3,3e-3", f"hydra.sweep.dir={sweep}"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         # Preempt job 0 mid-run as SLURM would before its time limit (submitit asks for SIGUSR2).
         deadline = time.monotonic() + 120
@@ -142,18 +142,12 @@ def test_a_submitit_sweep_runs_each_job_on_two_nodes_resumes_a_preempted_job_and
             time.sleep(0.1)
         (job,) = {p.name.split("_")[0] for p in (sweep / ".submitit").glob("*_0")}
         subprocess.run(["scancel", "--signal=USR2", f"{job}_0"], check=True)
-        release = lambda: subprocess.run(["scontrol", "update", f"JobId={job}_0", "StartTime=now"])  # noqa: E731
-        deadline = time.monotonic() + 240
-        while sweeper.poll() is None:
-            assert time.monotonic() < deadline, "the sweep did not end"
-            if job_field(f"{job}_0", "JobState") == "PENDING" and job_field(f"{job}_0", "Restarts") not in ("", "0"):
-                release()  # a requeued job waits for a begin time SLURM sets (about 2 minutes)
-            time.sleep(0.5)
-        output = sweeper.stdout.read()
-        assert sweeper.returncode == 0, output[-3000:]
+        assert wait_for_end(f"{job}_0", 240, release_requeued=True) == "COMPLETED"
+        assert sweeper.wait(timeout=240) == 0, output.read_text()[-3000:]
     finally:
         sweeper.kill()
-        subprocess.run(["scancel", f"{job}"] if "job" in locals() else ["true"])
+        if job is not None:
+            subprocess.run(["scancel", job])
     assert "on SIGUSR2: saving a checkpoint" in (sweep / "0" / "train.log").read_text()
     assert "#SBATCH --requeue" in next((sweep / ".submitit").glob("*/*_submission.sh")).read_text()
     for number, lr in ((0, "0.001"), (1, "0.003")):
