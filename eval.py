@@ -19,6 +19,7 @@ import src.config  # noqa: F401  (registers the resolvers a run's config may use
 from src.checkpoint import load_checkpointed_model, run_config_for
 from src.evaluation import evaluate
 from src.export import load_exported_model
+from src.forward import Forward
 from src.launch import check_process_count, needs_cpu_flag, run_then_release, shut_down, use_cpu_threads
 
 log = logging.getLogger("eval")
@@ -41,7 +42,8 @@ def main(cfg: DictConfig) -> None:
     model = accelerator.prepare_model(model, evaluation_mode=True)
     val_loader = accelerator.prepare_data_loader(data.val_dataloader(cfg.eval_batches))
 
-    metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, objective).items()}
+    forward = Forward(objective, compile=False)
+    metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, forward).items()}
     if accelerator.is_main_process:
         output = Path(cfg.output) if cfg.output else source / "eval_metrics.json"
         report = {"path": str(source), "num_processes": accelerator.num_processes, **metrics}

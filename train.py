@@ -21,17 +21,18 @@ from omegaconf import DictConfig
 
 from src.accumulation import accumulation_windows, fit_run_to_data, global_target_count, loss_for_backward
 from src.auto_batch import find_micro_batch
-from src.batches import call_model, split_batch
+from src.batches import split_batch
 from src.checkpoint import Checkpointer, config_for_resume, load_checkpoint, resume_source
 from src.config import complete_config
 from src.early_stopping import EarlyStopping
 from src.ema import build_ema
 from src.evaluation import evaluate
 from src.export import export_model
+from src.forward import Forward
 from src.hang_watch import HangWatch
 from src.launch import (Setting, build_accelerator, check_replicas_in_sync, describe_launch, launch_settings,
                         outlive_main, run_then_release, shut_down)
-from src.nonfinite import NonFiniteGuard
+from src.nonfinite import NonFiniteGuard, plain
 from src.optim import build_optimizer
 from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
 from src.progress import Progress
@@ -72,9 +73,8 @@ def main(cfg: DictConfig) -> float | None:
     model = build(cfg.model, group="model")
     if trainer.sync_batchnorm:
         model = sync_batchnorm(model, accelerator)
-    if trainer.compile:
-        model.compile()  # in place, so state_dict keys stay free of torch.compile's "_orig_mod." prefix
     objective = build(cfg.objective, group="objective")
+    forward = Forward(objective, trainer.compile)  # model + loss: with trainer.compile, one compiled graph
     if trainer.auto_micro_batch and not checkpoint:  # a resumed run keeps the micro-batch its config records
         micro_batch = find_micro_batch(accelerator, model, objective, data, data.batch_size * accumulation)
         accumulation = data.batch_size * accumulation // micro_batch
@@ -125,13 +125,13 @@ def main(cfg: DictConfig) -> float | None:
             if state.step == 0:
                 objective.check_batch(inputs, targets)
             with accelerator.accumulate(model):
-                loss_sum = objective.loss_sum(call_model(model, inputs), targets)
+                loss_sum = forward.loss_sum(model, inputs, targets)
                 accelerator.backward(loss_for_backward(accelerator, loss_sum, step_targets))
                 step_loss_sum += loss_sum.detach()
                 apply_step = True
                 if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-                    apply_step = guard.step_is_finite(state.step + 1, step_loss_sum, grad_norm)
+                    grad_norm = plain(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
+                    apply_step = guard.step_is_finite(state.step + 1, step_loss_sum, grad_norm)  # error: no sync
                 if apply_step:
                     optimizer.step()  # a no-op until the accumulation window is complete
                 optimizer.zero_grad(set_to_none=True)
@@ -142,21 +142,26 @@ def main(cfg: DictConfig) -> float | None:
         state.step += 1
         telemetry.step_finished(step_targets)
 
+        # Steps that log, evaluate or save read what the device decided: until then the host never waits for it.
+        logging_step = state.step % trainer.log_every == 0
+        done = state.step >= trainer.max_steps
+        evaluating = done or (trainer.eval_every and state.step % trainer.eval_every == 0)
+        if logging_step or evaluating or checkpointer.saves_at(state.step):
+            guard.settle()  # raises at a non-finite step before anything of it is logged or saved
         logged = {}
-        if state.step % trainer.log_every == 0:
+        if logging_step:
             step_loss = (accelerator.reduce(step_loss_sum, "sum") / step_targets.clamp(min=1)).item()
             logged = {"train/loss": step_loss, "train/lr": scheduler.get_last_lr()[0],
                       "train/grad_norm": grad_norm.item(), "train/skipped_steps": guard.skipped, **telemetry.scalars()}
             accelerator.log(logged, step=state.step)
         progress.update(state.step, logged.get("train/loss"), logged.get("train/tokens_per_second"))
-        done = state.step >= trainer.max_steps
         step_metrics = None
-        if done or (trainer.eval_every and state.step % trainer.eval_every == 0):
+        if evaluating:
             with telemetry.phase("evaluation"):
-                step_metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, objective).items()}
+                step_metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, forward).items()}
                 if ema is not None:
                     with accelerator.autocast():  # the prepared model's precision; the copy was not prepared
-                        ema_metrics = evaluate(ema.module, val_loader, accelerator, objective)
+                        ema_metrics = evaluate(ema.module, val_loader, accelerator, forward)
                     step_metrics.update({f"eval_ema/{k}": v for k, v in ema_metrics.items() if k != "samples"})
             metrics = step_metrics
             accelerator.log(metrics, step=state.step)

@@ -176,9 +176,13 @@ class Checkpointer:
         if metrics is not None and self._improved(metrics, state):
             self.save(state)
             self.export(self.run_dir / "model_best")
-        periodic = self.every and state.step % self.every == 0
-        if periodic or stopping or state.step >= self.max_steps:
+        if self.saves_at(state.step) or stopping:
             self.save(state)
+
+    def saves_at(self, step: int) -> bool:
+        """Whether step `step` saves whatever happens (periodic, final); besides, an evaluation may save the
+        best, and an agreed stop saves."""
+        return bool(self.every and step % self.every == 0) or step >= self.max_steps
 
     def _improved(self, metrics: dict[str, float], state: TrainState) -> bool:
         """Whether `metrics` beat the best monitored value so far; if so, `state` records it."""

@@ -5,12 +5,12 @@ from collections import defaultdict
 import torch
 from accelerate import Accelerator
 
-from src.batches import call_model, split_batch
-from src.objectives import Objective
+from src.batches import split_batch
+from src.forward import Forward
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, objective: Objective) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, forward: Forward) -> dict[str, float]:
     """Each metric the objective reports, averaged over the whole validation set with its own weights (samples
     or tokens), and how many samples that was.
 
@@ -22,8 +22,8 @@ def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, objective
     # Summed in float64 on the CPU: exact enough that 1 and N processes agree to ~1e-12, and MPS has no float64.
     sums, weights, samples = defaultdict(float), defaultdict(float), 0
     for batch in loader:
-        inputs, targets = split_batch(batch, objective.target_key)
-        per_sample = accelerator.gather_for_metrics(objective.metrics(call_model(model, inputs), targets))
+        inputs, targets = split_batch(batch, forward.objective.target_key)
+        per_sample = accelerator.gather_for_metrics(forward.metrics(model, inputs, targets))
         for name, (values, weight) in per_sample.items():
             sums[name] += values.cpu().double().sum().item()
             weights[name] += weight.cpu().double().sum().item()

@@ -28,6 +28,17 @@ def test_a_huge_learning_rate_stops_every_rank_at_the_first_nonfinite_step_and_s
     assert all(t.isfinite().all() for t in weights.values())
 
 
+def test_a_nonfinite_step_between_logs_stops_the_run_at_the_next_logging_step_with_nothing_of_it_saved(tmp_path):
+    """error mode reads its verdict only where something is logged or saved: the run stops there, naming the step."""
+    run_dir = tmp_path / "run"
+    proc = run([*ARGS, NAN_MODEL, "+model.nan_calls=[6]", "trainer.log_every=4", "trainer.checkpoint_every=4",
+                f"hydra.run.dir={run_dir}"], nproc=2, check=False)
+    assert proc.returncode != 0
+    assert "step 6: the loss or the gradient norm is not finite" in proc.stdout, proc.stdout[-3000:]
+    assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ["step_00000004"]
+    assert list(scalars(run_dir, "train/loss")) == [4] and not (run_dir / "model").exists()
+
+
 def test_skip_mode_skips_and_counts_nonfinite_steps_without_advancing_the_schedule(tmp_path):
     run_dir = tmp_path / "run"
     run([*ARGS, NAN_MODEL, "+model.nan_calls=[3,4]", "trainer.nonfinite=skip", f"hydra.run.dir={run_dir}"])
