@@ -70,10 +70,10 @@ def step_dirs(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
 
 
-@pytest.mark.parametrize("nproc, extra", [(1, ["data.random_offset=true"]), (2, [])])
+@pytest.mark.parametrize("nproc, extra", [(1, ["data.random_offset=true"]), (2, ["data.random_windows=true"])])
 def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupted_run(tmp_path, small_text, nproc,
                                                                                        extra):
-    """On 1 process with data.random_offset, whose windows move every epoch (the run crosses several)."""
+    """With data.random_offset or data.random_windows, whose windows move every epoch (the run crosses several)."""
     max_steps = 90
     reference, resumed = tmp_path / "uninterrupted", tmp_path / "killed"
     run([*resumable_args(small_text, max_steps), *extra, f"hydra.run.dir={reference}"], nproc=nproc)

@@ -31,6 +31,28 @@ def test_random_offset_moves_the_windows_each_epoch_and_keeps_their_number():
     assert again == starts[2]  # a function of (seed, epoch) only: what exact resume needs
 
 
+def test_random_windows_start_anywhere_independently_and_are_a_function_of_seed_epoch_and_index():
+    tokens = torch.arange(1000).numpy()
+    windows = TokenWindows(tokens, block_size=10, random_windows=True, seed=3)
+    starts = {}
+    for epoch in range(3):
+        windows.set_epoch(epoch)
+        assert len(windows) == 99
+        for i in range(len(windows)):
+            x, y = windows[i]
+            assert len(x) == len(y) == 10 and torch.equal(y, x + 1)  # inside the stream, targets shifted by one
+            starts[epoch, i] = int(x[0])
+    assert len(set(starts.values())) > 0.4 * len(starts)  # independent starts: few coincide (990 of them)
+    assert min(starts.values()) < 50 and max(starts.values()) > 940  # the whole stream is reached
+    assert len({starts[e, i] % 10 for e in range(3) for i in range(99)}) == 10  # not a grid
+    again = TokenWindows(tokens, block_size=10, random_windows=True, seed=3)
+    again.set_epoch(1)
+    assert [int(again[i][0][0]) for i in range(99)] == [starts[1, i] for i in range(99)]  # what resume needs
+    other = TokenWindows(tokens, block_size=10, random_windows=True, seed=4)
+    other.set_epoch(1)
+    assert [int(other[i][0][0]) for i in range(99)] != [starts[1, i] for i in range(99)]
+
+
 def test_fast_character_encoding_gives_the_vocabulary_and_ids_of_the_plain_definition(tmp_path):
     text = "Où est l'été? ∑ 😀 naïve café\nZ" * 20
     (tmp_path / "t.txt").write_text(text, encoding="utf-8")

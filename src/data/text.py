@@ -11,18 +11,24 @@ from src.schema import Arg
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of `block_size` tokens; the target is the window shifted by one token.
+    """Windows of `block_size` tokens; the target is the window shifted by one token.
 
-    With `random_offset`, every window of an epoch starts `offset` tokens later, the offset drawn from
-    (seed, epoch) alone: later epochs see new windows (as nanoGPT's random starts do), the number of
-    windows stays the same, and a resumed run sees exactly what it would have.
+    By default the windows are a fixed grid of non-overlapping windows. With `random_offset`, every window of
+    an epoch starts `offset` tokens later, the offset drawn from (seed, epoch) alone: later epochs see new
+    windows. With `random_windows`, window i of an epoch starts anywhere in the stream, independently of the
+    others, as nanoGPT draws its batches: hardly any two windows of a run are the same. Either way an epoch has
+    the grid's number of windows, and a window is a function of (seed, epoch, index) alone, so a resumed run
+    sees exactly what it would have.
     """
 
-    def __init__(self, tokens: np.ndarray, block_size: int, random_offset: bool = False, seed: int = 0):
+    def __init__(self, tokens: np.ndarray, block_size: int, random_offset: bool = False, seed: int = 0,
+                 random_windows: bool = False):
         self.tokens, self.block_size = tokens, block_size
-        self.random_offset, self.seed, self.offset = random_offset, seed, 0
+        self.random_offset, self.random_windows, self.seed = random_offset, random_windows, seed
+        self.offset, self.epoch = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         if self.random_offset:
             rng = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
             self.offset = int(torch.randint(0, self.block_size, (), generator=rng))
@@ -32,16 +38,28 @@ class TokenWindows(Dataset):
         return max(0, room // self.block_size)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = self.offset + i * self.block_size
+        if self.random_windows:  # any start that leaves room for the window and its last target
+            start = _mix(_mix(_mix(self.seed) ^ self.epoch) ^ i) % (len(self.tokens) - self.block_size)
+        else:
+            start = self.offset + i * self.block_size
         chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
 
 
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash, so that a window's start needs no RNG state."""
+    mask = 2**64 - 1
+    x = (x + 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
 def split(tokens: np.ndarray, val_fraction: float, block_size: int, random_offset: bool = False,
-          seed: int = 0, path: str = "the data") -> tuple[TokenWindows, TokenWindows]:
+          seed: int = 0, path: str = "the data", random_windows: bool = False) -> tuple[TokenWindows, TokenWindows]:
     """The first (1 - val_fraction) of the stream trains, the rest validates (as nanoGPT does)."""
     n_train = int(len(tokens) * (1 - val_fraction))
-    train = TokenWindows(tokens[:n_train], block_size, random_offset, seed)
+    train = TokenWindows(tokens[:n_train], block_size, random_offset, seed, random_windows)
     val = TokenWindows(tokens[n_train:], block_size)  # fixed windows: every evaluation measures the same thing
     if len(train) == 0 or len(val) == 0:
         raise ValueError(
@@ -60,12 +78,18 @@ class TokenStream(DataModule):
         val_fraction: Annotated[float, Arg("tail of the file used for validation", gt=0, lt=1)] = 0.1,
         random_offset: Annotated[bool, Arg("shift the training windows by a seeded offset each epoch, so later "
                                            "epochs see new windows")] = False,
+        random_windows: Annotated[bool, Arg(
+            "start each training window at its own seeded random position (nanoGPT's sampling) instead of a "
+            "grid: almost no window repeats")] = False,
         seed: Annotated[int, Arg("seed of the offsets (with the epoch)", ge=0)] = 0,
         **loader,
     ):
         super().__init__(**loader)
+        if random_offset and random_windows:
+            raise ValueError("data.random_offset=true and data.random_windows=true: choose one (random_windows "
+                             "already starts every window at a random position)")
         self.block_size, self.val_fraction = block_size, val_fraction
-        self.random_offset, self.seed = random_offset, seed
+        self.random_offset, self.random_windows, self.seed = random_offset, random_windows, seed
 
 
 class TextData(TokenStream):
@@ -98,7 +122,8 @@ class TextData(TokenStream):
             index = np.zeros(present[-1] + 1 if len(present) else 1, dtype=np.uint16)
             index[present] = np.arange(len(present))
             tokens = index[codes]
-        self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed, path)
+        self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed, path,
+                                      self.random_windows)
 
     @model_size
     def vocab_size(self) -> int:
@@ -130,7 +155,8 @@ class TokenData(TokenStream):
         if head_max >= vocab_size:
             raise ValueError(f"data.vocab_size={vocab_size} but {path} holds token id {head_max}")
         self._vocab_size = vocab_size
-        self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed, path)
+        self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed, path,
+                                      self.random_windows)
 
     @model_size
     def vocab_size(self) -> int:
