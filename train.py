@@ -30,8 +30,8 @@ from src.evaluation import evaluate
 from src.export import export_model
 from src.forward import Forward
 from src.hang_watch import HangWatch
-from src.launch import (Setting, build_accelerator, check_replicas_in_sync, describe_launch, launch_settings,
-                        outlive_main, run_then_release, shut_down)
+from src.launch import (Setting, build_accelerator, check_replicas_in_sync, describe_launch, hide_tied_weight_notices,
+                        launch_settings, outlive_main, run_then_release, shut_down)
 from src.nonfinite import NonFiniteGuard, plain
 from src.optim import build_optimizer
 from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
@@ -71,6 +71,7 @@ def main(cfg: DictConfig) -> float | None:
     cfg = resolve_data_sizes(cfg, data.sizes())
     trainer = cfg.trainer  # the resolved config is a new object: what is saved from here on
     model = build(cfg.model, group="model")
+    hide_tied_weight_notices(model)  # accelerate's "Removed shared tensor" at every save, for the model's own ties
     if trainer.sync_batchnorm:
         model = sync_batchnorm(model, accelerator)
     objective = build(cfg.objective, group="objective")
@@ -153,6 +154,8 @@ def main(cfg: DictConfig) -> float | None:
             step_loss = (accelerator.reduce(step_loss_sum, "sum") / step_targets.clamp(min=1)).item()
             logged = {"train/loss": step_loss, "train/lr": scheduler.get_last_lr()[0],
                       "train/grad_norm": grad_norm.item(), "train/skipped_steps": guard.skipped, **telemetry.scalars()}
+            if accelerator.scaler is not None:  # fp16: a falling scale marks the steps the GradScaler skipped
+                logged["train/loss_scale"] = accelerator.scaler.get_scale()
             accelerator.log(logged, step=state.step)
         progress.update(state.step, logged.get("train/loss"), logged.get("train/tokens_per_second"))
         step_metrics = None

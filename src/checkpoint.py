@@ -113,7 +113,7 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
         new, old = new_leaves.get(leaf), old_leaves.get(leaf)
         if isinstance(new, str) and new.startswith(DATA_SIZE_PLACEHOLDER):
             continue  # derived from the data; the checkpoint's model has the value it was built with
-        if new is None and leaf in LAUNCHER_SETTABLE:
+        if (new is None or new == "auto") and leaf in LAUNCHER_SETTABLE:
             continue  # the checkpoint's value stands; launch_settings then checks the launcher against it
         if new == old or not any(_under(leaf, scope) for scope in scopes):
             continue

@@ -41,8 +41,9 @@ class TrainerConfig:
         "batches of an epoch, and the LR schedule follows it (set one of the two)", ge=1)] = None
     gradient_accumulation_steps: Annotated[Optional[int], Arg(
         "micro-batches per optimizer step (null: the launcher's --gradient_accumulation_steps, else 1)", ge=1)] = None
-    mixed_precision: Annotated[Optional[Literal["no", "fp16", "bf16"]], Arg(
-        "autocast dtype (null: the launcher's --mixed_precision or `accelerate config` answer, else no)")] = None
+    mixed_precision: Annotated[Optional[Literal["no", "fp16", "bf16", "auto"]], Arg(
+        "autocast dtype (auto: bf16 where the device computes it natively, recent GPUs and CPUs with AVX-512-BF16 "
+        "or AMX, else no; null: the launcher's --mixed_precision or `accelerate config` answer, else no)")] = None
     seed: Annotated[int, Arg("seed for model init, data order, dropout", ge=0)] = 1337
     deterministic: Annotated[bool, Arg(
         "deterministic kernels only (torch.use_deterministic_algorithms, cuDNN without autotuning, "
@@ -85,7 +86,8 @@ class TrainerConfig:
         "where scalars are logged, through accelerate's trackers; MLflow and W&B take their storage from their own "
         "settings (MLFLOW_TRACKING_URI, WANDB_MODE=offline)")] = ("tensorboard",)
     tracker_project: Annotated[str, Arg("the MLflow experiment / W&B project the run belongs to")] = "train"
-    compile: Annotated[bool, Arg("torch.compile the model")] = False
+    compile: Annotated[bool, Arg(
+        "torch.compile each micro-step's forward pass and loss as one graph, and evaluation")] = False
     auto_micro_batch: Annotated[bool, Arg(
         "use the largest per-process micro-batch that fits, with accumulation making up the rest, so the global "
         "batch and the loss stay exactly as configured; chosen once, saved, reused on resume")] = False

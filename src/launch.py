@@ -9,6 +9,7 @@ import functools
 import gc
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType, GradientAccumulationPlugin, broadcast_object_list, gather_object
 from omegaconf import DictConfig
 
+from src.precision import resolve_precision
 from src.schema import UsageError
 from src.trackers import trackers_for
 
@@ -119,8 +121,12 @@ def launch_settings(trainer: DictConfig) -> LaunchSettings:
         launcher_precision = Setting(env_precision, "environment: ACCELERATE_MIXED_PRECISION") if env_precision else None
         launcher_accumulation = (Setting(int(env_accumulation), "environment: ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
                                  if env_accumulation else None)
+    configured_precision = trainer.mixed_precision
+    if configured_precision == "auto" and launcher_precision is not None:
+        configured_precision = None  # auto defers to a precision the launcher names
+    precision = _decide("trainer.mixed_precision", configured_precision, launcher_precision, "no")
     settings = LaunchSettings(
-        mixed_precision=_decide("trainer.mixed_precision", trainer.mixed_precision, launcher_precision, "no"),
+        mixed_precision=Setting(*resolve_precision(precision.value, precision.source)),
         gradient_accumulation_steps=_decide("trainer.gradient_accumulation_steps",
                                             trainer.gradient_accumulation_steps, launcher_accumulation, 1),
         requested_processes=requested_processes(args, path, file),
@@ -148,7 +154,24 @@ def needs_cpu_flag() -> bool:
     return not torch.cuda.is_available() and launched_world_size() > 1
 
 
+def check_gpus_per_node(local_processes: int, gpus: int) -> None:
+    """More processes on a node than visible GPUs would put two ranks on one GPU, which NCCL refuses with a
+    dump of its own: say so first, with the launches that fit."""
+    if gpus == 0 or local_processes <= gpus:
+        return
+    fits = (f"accelerate launch --multi_gpu --num_processes {gpus} train.py ..." if gpus > 1
+            else "accelerate launch train.py ...")
+    raise LaunchError(
+        f"{local_processes} processes were started on this node but it has {gpus} visible GPU(s) "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): one process per GPU. Launch "
+        f"{fits}, or train on the CPU with {local_processes} processes: "
+        f"CUDA_VISIBLE_DEVICES= {cpu_ddp_hint(local_processes).split('  (or')[0]}"
+    )
+
+
 def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Path) -> Accelerator:
+    if torch.cuda.is_available():  # before the Accelerator starts NCCL
+        check_gpus_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     if trainer.deterministic:
         use_deterministic_kernels()  # before CUDA is touched: cuBLAS reads its workspace setting once
     accelerator = Accelerator(
@@ -220,6 +243,31 @@ def use_deterministic_kernels() -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
+class TiedWeightNotice(logging.Filter):
+    """accelerate warns "Removed shared tensor {...} while saving" at every save of a model with tied weights
+    (the GPT's lm_head is its token embedding): safetensors stores a shared tensor once, and loading ties it
+    again. The notice is dropped for the model's own ties only; any other shared tensor is still reported."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        self.tied = every - {name for name, _ in model.named_parameters()}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "Removed shared tensor" not in message:
+            return True
+        names = set(re.findall(r"'([^']+)'", message.split("while saving")[0]))
+        return not names or not names <= {key for tied in self.tied for key in (tied, f"module.{tied}")}
+
+
+def hide_tied_weight_notices(model: torch.nn.Module) -> None:
+    logger = logging.getLogger("accelerate.utils.other")
+    for earlier in [f for f in logger.filters if isinstance(f, TiedWeightNotice)]:  # an in-process sweep's last job
+        logger.removeFilter(earlier)
+    logger.addFilter(TiedWeightNotice(model))
 
 
 def quiet_other_ranks(accelerator: Accelerator) -> None:

@@ -10,6 +10,9 @@ skip:  the optimizer step is skipped on every rank (no update, the LR schedule d
        Whether to apply a step must be known before the optimizer applies it and the schedule moves, so this
        mode reads the verdict on the host every step: one small sync, as a GradScaler makes.
 
+With fp16 a GradScaler is at work: an overflowing gradient is its business (it skips that step, and the LR
+schedule with it, and lowers its scale), so only a non-finite loss counts here.
+
 The ranks agree on each verdict with one small all-reduce, which also carries their preemption votes
 (src/preemption.py); in error mode that happens only at `settle`, so a stop signal is acted on there too.
 """
@@ -39,6 +42,7 @@ class NonFiniteGuard:
         self.accelerator, self.mode, self.max_consecutive = accelerator, mode, max_consecutive_skips
         self.run_dir, self.preemption = run_dir, preemption
         self.skipped, self.consecutive = 0, 0
+        self.scaler_skips_overflows = accelerator.scaler is not None
         # error mode: the first non-finite step since the last settle and its gradient norm, kept on the device
         # (float32: exact step numbers up to 2**24, and a dtype every device has)
         self.first_bad = torch.full((2,), NO_STEP, device=accelerator.device, dtype=torch.float32)
@@ -53,7 +57,9 @@ class NonFiniteGuard:
         error mode: always True, the verdict is recorded on the device for `settle`. skip mode: the verdict
         of all ranks, read now (it is also where they agree on preemption); raises NonFiniteStep to stop."""
         loss_sum, grad_norm = loss_sum.detach(), plain(grad_norm).detach()
-        bad = ~torch.isfinite(loss_sum.float()) | ~torch.isfinite(grad_norm.float())
+        bad = ~torch.isfinite(loss_sum.float())
+        if not self.scaler_skips_overflows:
+            bad = bad | ~torch.isfinite(grad_norm.float())
         if not self.reads_every_step:
             here = torch.stack([torch.full_like(self.first_bad[0], step), grad_norm.to(self.first_bad.dtype)])
             self.first_bad = torch.where(bad & (self.first_bad[0] == NO_STEP), here, self.first_bad)

@@ -126,7 +126,7 @@ def test_accelerate_launch_configs_cover_cpu_ddp_gpus_multi_node_and_fsdp_and_le
                                   "mean trainer.max_steps?"),
         (["trainer.max_steps=many"], "trainer.max_steps=many expected an integer"),
         (["data.level=word"], "data.level=word expected one of [char, byte]"),
-        (["trainer.mixed_precision=fp8"], "trainer.mixed_precision=fp8 expected one of [no, fp16, bf16]"),
+        (["trainer.mixed_precision=fp8"], "trainer.mixed_precision=fp8 expected one of [no, fp16, bf16, auto]"),
         (["optimizer.lr=0"], "optimizer.lr=0 is out of range: must be > 0"),
         (["optimizer.lr=-1e-3"], "optimizer.lr=-0.001 is out of range: must be > 0"),
         (["data.batch_size=0"], "data.batch_size=0 is out of range: must be >= 1"),
