@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from safetensors.torch import load_model
+from safetensors.torch import load_model, save_file
 
 
 def export_model(accelerator, model: torch.nn.Module, config: DictConfig, directory: Path) -> None:
@@ -27,12 +27,13 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
     # before rank 0 renames it, or another rank re-creates it.
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if hasattr(unwrapped, "save_pretrained"):  # a transformers model: also a Hugging Face folder
-        state_dict = accelerator.get_state_dict(model)
-        if accelerator.is_main_process:
+    state_dict = whole_state_dict(accelerator, model)
+    if accelerator.is_main_process:
+        if hasattr(unwrapped, "save_pretrained"):  # a transformers model: also a Hugging Face folder
             unwrapped.save_pretrained(tmp, state_dict=state_dict)  # safetensors
-    else:
-        accelerator.save_model(model, tmp, safe_serialization=True)
+        else:
+            weights = without_tied_copies(state_dict, unwrapped)
+            save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         OmegaConf.save(config, tmp / "config.yaml", resolve=True)
@@ -42,6 +43,29 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
         tmp.rename(directory)
         shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def whole_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight whole, on the main process (a collective when they are sharded).
+
+    FSDP2 (torch's fully_shard) holds DTensor shards: they are gathered the way accelerate gathers them under
+    its FSDP plugin, also when the model was sharded by hand; anything else is accelerate's own state dict."""
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return accelerator.get_state_dict(model)
+
+
+def without_tied_copies(state_dict: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """One entry per tied parameter (the GPT's lm_head is its token embedding): the name that model.state_dict()
+    lists first. Gathered shards are no longer one tensor, so the tie is read off the model, not the storage;
+    load_model ties them again on load."""
+    first_name, drop = {}, set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if first_name.setdefault(id(parameter), name) != name:
+            drop.add(name)
+    return {name: tensor.contiguous() for name, tensor in state_dict.items() if name not in drop}
 
 
 def load_exported_model(directory: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:

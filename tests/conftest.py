@@ -12,6 +12,26 @@ import pytest
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def visible_gpus() -> int:
+    """The GPUs this machine shows, counted without initialising CUDA in this process (nvidia-smi)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    count = sum(line.startswith("GPU ") for line in listing.splitlines())
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return min(count, len(chosen.split(","))) if chosen else count
+
+
+# The suite specifies the CPU's behaviour (gloo DDP, bitwise comparisons across process counts), so what it
+# launches, and torch in this process, see no GPU, whatever the machine has; `gpu` tests hand theirs back.
+GPUS = visible_gpus()
+GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(GPUS)))}
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # accelerate's launcher reads $HF_HOME/accelerate/default_config.yaml: the tests must not see the machine's own.
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf_home_")
 # A GPT small enough that a CPU test run takes seconds; dropout off so runs are comparable.
@@ -26,6 +46,9 @@ def free_port() -> int:
 
 
 def launch_command(script: str, nproc: int, launcher: str = "accelerate") -> list[str]:
+    if launcher == "fsdp":  # accelerate's FSDP2 plugin, as config/accelerate/fsdp.yaml asks for it (GPUs only)
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "config/accelerate/fsdp.yaml",
+                "--num_processes", str(nproc), "--main_process_port", str(free_port()), script]
     if nproc == 1:
         return [sys.executable, script]
     if launcher == "accelerate_config":  # the CPU-DDP launch config users are pointed to
@@ -118,10 +141,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """`python -m pytest tests` leaves the slow tests out, to stay near 10 minutes on 2 cores; an explicit
     -m (e.g. `-m slow`, as CI runs after the rest) selects as usual. `gpu` tests run only where CUDA is."""
-    import torch
-
-    if not torch.cuda.is_available():
-        no_gpu = pytest.mark.skip(reason="needs CUDA")
+    if not GPUS:
+        no_gpu = pytest.mark.skip(reason="needs a GPU")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(no_gpu)

@@ -121,3 +121,17 @@ def test_workers_that_form_no_process_group_stop_with_a_clear_error():
     )
     assert proc.returncode != 0
     assert "formed no process group" in proc.stdout and "--multi_gpu --num_processes 2" in proc.stdout
+
+
+def test_more_processes_on_a_node_than_gpus_is_refused_naming_the_launches_that_fit():
+    from src.launch import LaunchError, check_gpus_per_node
+
+    for processes, gpus in ((1, 0), (2, 0), (1, 1), (2, 2), (8, 8)):
+        check_gpus_per_node(processes, gpus)  # CPU processes, or one GPU each
+    with pytest.raises(LaunchError) as refused:
+        check_gpus_per_node(2, 1)
+    assert "2 processes were started on this node but it has 1 visible GPU(s)" in str(refused.value)
+    assert "accelerate launch train.py" in str(refused.value)
+    assert "CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu --num_processes 2 train.py" in str(refused.value)
+    with pytest.raises(LaunchError, match="--multi_gpu --num_processes 4 train.py"):
+        check_gpus_per_node(8, 4)

@@ -1,0 +1,71 @@
+"""Our code on FSDP2-sharded weights, on a real process group (torchrun --nproc_per_node 2, CPU/gloo): accelerate
+runs its FSDP plugin only on GPUs, so the model is sharded here with torch's own fully_shard, as the plugin
+does. Clipping and the non-finite check on a DTensor norm, and the export of sharded, tied weights. Rank 0
+prints one JSON line of what it found; any failure raises."""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+from omegaconf import OmegaConf
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from src.export import export_model, load_exported_model  # noqa: E402
+from src.forward import Forward  # noqa: E402
+from src.models.gpt import GPT  # noqa: E402
+from src.nonfinite import NonFiniteGuard, NonFiniteStep, plain  # noqa: E402
+from src.objectives import CrossEntropy  # noqa: E402
+from src.preemption import PreemptionWatch  # noqa: E402
+
+accelerator = Accelerator(cpu=True)
+config = OmegaConf.create({"_target_": "src.models.gpt.GPT", "vocab_size": 50, "block_size": 16, "n_layer": 2,
+                           "n_head": 2, "n_embd": 32})
+torch.manual_seed(0)
+whole = GPT(**{k: v for k, v in config.items() if k != "_target_"})
+sharded = GPT(**{k: v for k, v in config.items() if k != "_target_"})
+sharded.load_state_dict(whole.state_dict())
+mesh = init_device_mesh("cpu", (accelerator.num_processes,))
+for block in sharded.blocks:
+    fully_shard(block, mesh=mesh)
+fully_shard(sharded, mesh=mesh)
+assert any(hasattr(p, "full_tensor") for p in sharded.parameters())  # really sharded
+
+forward = Forward(CrossEntropy(), compile=False)
+x, y = torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 16))  # the same batch on every rank
+forward.loss_sum(whole, x, y).backward()
+whole_norm = torch.nn.utils.clip_grad_norm_(whole.parameters(), 0.5)
+loss = forward.loss_sum(sharded, x, y)
+loss.backward()
+norm = plain(accelerator.clip_grad_norm_(sharded.parameters(), 0.5))
+assert not hasattr(norm, "full_tensor") and torch.allclose(norm, whole_norm), (norm, whole_norm)
+clipped = {name: plain(p.grad) for name, p in sharded.named_parameters()}
+assert all(torch.allclose(clipped[name], p.grad, atol=1e-6) for name, p in whole.named_parameters())
+
+with tempfile.TemporaryDirectory() as tmp:
+    guard = NonFiniteGuard(accelerator, "error", 3, Path(tmp), PreemptionWatch())
+    assert guard.step_is_finite(1, loss, norm)
+    guard.settle()  # a finite step: nothing to report
+    nan_loss = forward.loss_sum(sharded, x, y) * float("nan")
+    nan_loss.backward()
+    guard.step_is_finite(2, nan_loss, plain(accelerator.clip_grad_norm_(sharded.parameters(), 0.5)))
+    try:
+        guard.settle()
+        raise AssertionError("a NaN step on sharded weights was not reported")
+    except NonFiniteStep as error:
+        assert str(error).startswith("step 2: the loss or the gradient norm is not finite"), error
+
+    export_dir = Path(broadcast_object_list([tmp])[0]) / "model"  # rank 0's directory, on every rank
+    export_model(accelerator, sharded, config, export_dir)
+    if accelerator.is_main_process:
+        loaded = load_exported_model(export_dir)
+        tied = loaded.lm_head.weight is loaded.tok_emb.weight
+        same = all(torch.equal(loaded.state_dict()[k], v) for k, v in whole.state_dict().items())
+        print(json.dumps({"tied": tied, "weights_equal": same, "norm": norm.item()}), flush=True)
+    accelerator.wait_for_everyone()
+accelerator.end_training()

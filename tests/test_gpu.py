@@ -1,0 +1,68 @@
+"""What only a GPU can show: run with `python -m pytest tests -m gpu` on a machine with one (skipped elsewhere).
+
+Also gpu-marked elsewhere: no CUDA sync inside a compiled bf16 step (test_host_syncs.py), FSDP2 train, resume
+and export (test_fsdp.py).
+"""
+
+import json
+
+import pytest
+
+from tests.conftest import GPU_ENV, QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+
+pytestmark = pytest.mark.gpu
+SHORT = [*TINY_GPT, *QUIET, "data.batch_size=8", "trainer.checkpoint_every=4", "trainer.monitor=null"]
+
+
+def gpu_run(args: list[str], **kwargs):
+    return run(args, env=GPU_ENV, **kwargs)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+def test_a_resumed_cuda_run_gives_the_losses_and_weights_of_the_uninterrupted_one(tmp_path, precision):
+    args = [*SHORT, "scheduler=constant", f"trainer.mixed_precision={precision}",
+            "trainer.gradient_accumulation_steps=2"]
+    gpu_run([*args, "trainer.max_steps=8", f"hydra.run.dir={tmp_path / 'whole'}"])
+    gpu_run([*args, "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'resumed'}"])
+    proc = gpu_run([*args, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={tmp_path / 'resumed'}"])
+    assert "device                      : cuda" in proc.stdout
+    assert scalars(tmp_path / "whole", "train/loss") == scalars(tmp_path / "resumed", "train/loss")
+    assert max_abs_diff(exported_weights(tmp_path / "whole"), exported_weights(tmp_path / "resumed")) == 0
+
+
+def test_fp16_steps_the_grad_scaler_skips_do_not_advance_the_schedule(tmp_path):
+    run_dir = tmp_path / "run"
+    gpu_run([*SHORT, "trainer.mixed_precision=fp16", "trainer.max_steps=30", "scheduler.warmup_steps=30",
+             "optimizer.lr=1e-2", f"hydra.run.dir={run_dir}"])
+    scale, lr = scalars(run_dir, "train/loss_scale"), scalars(run_dir, "train/lr")
+    skipped = [step for step in range(2, 31) if scale[step] < scale[step - 1]]
+    assert skipped, scale  # the scaler starts at 2**16: a tiny model's first gradients overflow it
+    assert all(lr[step] == lr[step - 1] for step in skipped)
+    assert all(lr[step] > lr[step - 1] for step in range(2, 31) if step not in skipped)
+
+
+def test_deterministic_cuda_runs_with_dropout_are_bitwise_equal(tmp_path):
+    for name in ("a", "b"):
+        gpu_run([*SHORT, "model.dropout=0.1", "trainer.deterministic=true", "trainer.max_steps=6",
+                 "trainer.mixed_precision=bf16", f"hydra.run.dir={tmp_path / name}"])
+    assert max_abs_diff(exported_weights(tmp_path / "a"), exported_weights(tmp_path / "b")) == 0
+
+
+def test_auto_micro_batch_backs_off_from_a_real_out_of_memory_error(tmp_path):
+    # 512 samples of 1024 tokens through this GPT need ~160 GB of fp32 activations; a divisor further down fits.
+    proc = gpu_run(["model.n_layer=4", "model.n_head=8", "model.n_embd=1024", "model.block_size=1024",
+                    "data.batch_size=512", "trainer.auto_micro_batch=true", "trainer.max_steps=1", *QUIET,
+                    "trainer.eval_batches=1", "data.eval_batch_size=8", f"hydra.run.dir={tmp_path / 'run'}"],
+                   timeout=600)
+    assert "samples per process do not fit (OutOfMemoryError)" in proc.stdout
+    assert "auto micro-batch: " in proc.stdout
+
+
+def test_telemetry_reports_cuda_memory_nvml_state_and_mfu(tmp_path):
+    run_dir = tmp_path / "run"
+    gpu_run([*SHORT, "trainer.max_steps=4", "trainer.mixed_precision=bf16", "trainer.peak_tflops=100",
+             f"hydra.run.dir={run_dir}"])
+    for tag in ("memory/cuda_peak_gib", "gpu/0/utilization", "gpu/0/memory_used_gib", "gpu/0/temperature_c",
+                "gpu/0/power_w", "train/mfu"):
+        assert scalars(run_dir, tag), tag
+    assert json.loads((run_dir / "summary.json").read_text())["peak_memory_gib"]["cuda"] > 0
