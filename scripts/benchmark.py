@@ -1,9 +1,10 @@
-"""Is the template as fast and as exact as the alternatives? Four benchmarks; results in scripts/BENCHMARKS.md.
+"""Is the template as fast and as exact as the alternatives? Five benchmarks; results in scripts/BENCHMARKS.md.
 
     python scripts/benchmark.py parity [--processes 1 2] [overrides...]   # vs a hand-written loop
     python scripts/benchmark.py nanogpt --nanogpt DIR                     # vs karpathy/nanoGPT, same recipe
     python scripts/benchmark.py startup                                   # time to the first optimizer step
     python scripts/benchmark.py checkpoint                                # save MB/s vs a raw write
+    python scripts/benchmark.py gpu --nanogpt DIR                         # one GPU: GPT-2-124M vs nanoGPT
     python scripts/benchmark.py parity --device cuda --mixed-precision bf16 --peak-tflops 989 \
         model.n_layer=12 model.n_head=12 model.n_embd=768 model.block_size=1024 data.batch_size=16
 
@@ -29,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from statistics import median
+from statistics import mean, median
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -95,8 +96,6 @@ def hand_written(args) -> None:
     data = build(cfg.data, group="data")
     cfg = resolve_data_sizes(cfg, data.sizes())
     model = build(cfg.model, group="model").to(device)
-    if trainer.compile:
-        model.compile()
     ddp = DistributedDataParallel(model) if world > 1 else model
     B, K = cfg.data.batch_size, trainer.gradient_accumulation_steps or 1  # null: the launcher default, 1
     optimizer = build_optimizer(cfg.optimizer, model, B * K * world)
@@ -104,6 +103,13 @@ def hand_written(args) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
 
+    def micro_step_loss(x, y):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            logits = ddp(x)
+        return F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="sum")
+
+    if trainer.compile:  # the model and its loss as one graph, as the template compiles them
+        micro_step_loss = torch.compile(micro_step_loss)
     dataset = data.train
     epoch_steps = len(dataset) // (B * K * world)  # whole global batches per epoch
     times, tokens_per_step = [], 0
@@ -122,9 +128,7 @@ def hand_written(args) -> None:
         step_loss = torch.zeros((), device=device)
         for k, (x, y) in enumerate(window):
             with ddp.no_sync() if world > 1 and k < K - 1 else contextlib.nullcontext():
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-                    logits = ddp(x)
-                loss_sum = F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="sum")
+                loss_sum = micro_step_loss(x, y)
                 scaler.scale(loss_sum * (K * world) / count / K).backward()
                 step_loss += loss_sum.detach()
         scaler.unscale_(optimizer)
@@ -293,31 +297,37 @@ def nanogpt(args) -> dict:
         stub.mkdir()
         (stub / "requests.py").write_text("")
         run([sys.executable, "prepare.py"], cwd=data_dir, env={**os.environ, "PYTHONPATH": str(stub)})
-        for repeat in range(args.repeats):
+        for repeat, seed in enumerate(seed for seed in args.seeds for _ in range(args.repeats)):
             run_dir = Path(tmp) / f"template-{repeat}"
             started = time.time()
-            run(["accelerate", "launch", "train.py", "experiment=nanogpt_shakespeare_char",
-                 f"hydra.run.dir={run_dir}"], env={**os.environ, "TQDM_DISABLE": "1"})
+            run(["accelerate", "launch", "train.py", "experiment=nanogpt_shakespeare_char", f"trainer.seed={seed}",
+                 *args.overrides, f"hydra.run.dir={run_dir}"], env={**os.environ, "TQDM_DISABLE": "1"})
             wall = time.time() - started
             loss = full_validation_loss(load_exported_model(run_dir / "model"), val)
             summary = json.loads((run_dir / "summary.json").read_text())
-            report["template"].append({"wall_s": round(wall, 1), "full_val_loss": round(loss, 4),
+            report["template"].append({"seed": seed, "wall_s": round(wall, 1), "full_val_loss": round(loss, 4),
                                        "ms_per_step": round(1e3 * median(
                                            e.value for e in scalars(run_dir, "train/step_time")), 1),
                                        "in_run_val_loss": round(summary["final_metrics"]["eval/loss"], 4)})
             out = work / f"out-{repeat}"
             started = time.time()
-            log = run([sys.executable, "train.py", *NANOGPT_RECIPE, f"--out_dir={out}"], cwd=work).stdout
+            # nanoGPT has no seed flag: its one torch.manual_seed(1337 + rank) call gets the seed's offset.
+            seeded = (f"import runpy, sys, torch; f = torch.manual_seed; torch.manual_seed = lambda s: f(s + {seed - 1337})"
+                      "; sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__')")
+            log = run([sys.executable, "-c", seeded, *NANOGPT_RECIPE, f"--out_dir={out}"], cwd=work).stdout
             wall = time.time() - started
             step_ms = [float(line.split("time ")[1].split("ms")[0]) for line in log.splitlines()
                        if line.startswith("iter ") and "time " in line]
             estimate = [line for line in log.splitlines() if line.startswith("step 2000:")]
-            report["nanogpt"].append({"wall_s": round(wall, 1),
+            report["nanogpt"].append({"seed": seed, "wall_s": round(wall, 1),
                                       "full_val_loss": round(nanogpt_full_validation(work, out / "ckpt.pt", val), 4),
                                       "ms_per_step": round(median(step_ms[1:]), 1),
                                       "its_estimate_at_2000": estimate[0] if estimate else None})
             print(json.dumps({k: v[-1] for k, v in report.items()}), file=sys.stderr, flush=True)
     del torch
+    for side in ("template", "nanogpt"):
+        report[f"{side}_mean"] = {key: round(mean(r[key] for r in report[side]), 4) for key in ("wall_s", "full_val_loss")}
+    report["wall_ratio"] = round(report["template_mean"]["wall_s"] / report["nanogpt_mean"]["wall_s"], 3)
     return report
 
 
@@ -434,6 +444,144 @@ def checkpoint(args) -> dict:
             "template_s_runs": [round(t, 3) for t in ours], "raw_s_runs": [round(t, 3) for t in raw]}
 
 
+# ------------------------------------------------------------------------------------------------- GPU
+
+
+GPT2_SHAPE = "12,12,768,1024"  # n_layer, n_head, n_embd, block_size: GPT-2-124M
+GPU_WARMUP_STEPS = 20  # compilation and allocator warm-up: steps before this are not timed
+NANOGPT_WITH_PEAK_MEMORY = (  # nanoGPT's train.py as it is, then its peak memory (CUDA, else RSS) on one line
+    "import resource, runpy, sys, torch; sys.argv[0] = 'train.py'; runpy.run_path('train.py', run_name='__main__'); "
+    "print('PEAK_MEMORY_GIB', torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else "
+    "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)")
+
+
+def model_shape(args) -> list[str]:
+    n_layer, n_head, n_embd, block_size = args.model_shape.split(",")
+    return [f"model.n_layer={n_layer}", f"model.n_head={n_head}", f"model.n_embd={n_embd}",
+            f"model.block_size={block_size}"]
+
+
+def nanogpt_shape(args) -> list[str]:
+    n_layer, n_head, n_embd, block_size = args.model_shape.split(",")
+    return [f"--n_layer={n_layer}", f"--n_head={n_head}", f"--n_embd={n_embd}", f"--block_size={block_size}"]
+
+
+def timed_lines(cmd: list[str], cwd: Path, env: dict) -> list[tuple[float, str]]:
+    """Run a command, stamping each line of its output with the time it arrived (nanoGPT prints no times)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**env, "PYTHONUNBUFFERED": "1"}, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    lines = [(time.perf_counter(), line.rstrip("\n")) for line in proc.stdout]
+    if proc.wait():
+        sys.exit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n" + "\n".join(l for _, l in lines[-60:]))
+    return lines
+
+
+def per_step(stamps: list[tuple[int, float]]) -> float:
+    """Seconds per optimizer step between the first logged step after the warm-up and the last one."""
+    timed = [(step, t) for step, t in stamps if step >= GPU_WARMUP_STEPS]
+    (first, t0), (last, t1) = timed[0], timed[-1]
+    return (t1 - t0) / (last - first)
+
+
+def gpu_template(args, batch: int, accumulation: int, compiled: bool, run_dir: Path, bin_file: Path) -> dict:
+    cmd = [sys.executable, "train.py", "experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}",
+           "data.vocab_size=50304", "data.val_fraction=0.05", f"data.batch_size={batch}",
+           f"trainer.gradient_accumulation_steps={accumulation}", f"trainer.compile={str(compiled).lower()}",
+           f"trainer.max_steps={args.steps}", "trainer.log_every=10", "trainer.eval_every=0", "trainer.eval_batches=2",
+           "trainer.checkpoint_every=0", "trainer.monitor=null", "scheduler.warmup_steps=10",
+           f"trainer.mixed_precision={args.mixed_precision}", f"hydra.run.dir={run_dir}"]
+    run(cmd, env={**os.environ, "TQDM_DISABLE": "1"})
+    events = scalars(run_dir, "train/loss")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    memory = summary["peak_memory_gib"]
+    # The final evaluation (2 batches): with trainer.compile, almost all of it is compiling the evaluation graph.
+    return {"step_s": per_step([(e.step, e.wall_time) for e in events]),
+            "peak_memory_gib": memory.get("cuda", memory["rss_max_over_ranks"]),
+            "evaluation_s": summary["time_s"]["of which evaluation"]}
+
+
+def gpu_nanogpt(args, batch: int, accumulation: int, compiled: bool, work: Path) -> dict:
+    cmd = [sys.executable, "-c", NANOGPT_WITH_PEAK_MEMORY, "config/train_gpt2.py", *nanogpt_shape(args),
+           f"--device={args.device}", "--dataset=bench_bytes",
+           f"--batch_size={batch}", f"--gradient_accumulation_steps={accumulation}", f"--compile={compiled}",
+           f"--max_iters={args.steps}", f"--lr_decay_iters={args.steps}", "--warmup_iters=10", "--log_interval=10",
+           "--eval_interval=1000000", "--eval_iters=1", "--wandb_log=False", "--always_save_checkpoint=False",
+           f"--dtype={ {'bf16': 'bfloat16', 'no': 'float32'}[args.mixed_precision]}", f"--out_dir={work / 'out'}"]
+    lines = timed_lines(cmd, work, dict(os.environ))
+    stamps = [(int(line.split()[1].rstrip(":")), t) for t, line in lines if line.startswith("iter ")]
+    peak = next(float(line.split()[1]) for _, line in lines if line.startswith("PEAK_MEMORY_GIB"))
+    return {"step_s": per_step(stamps), "peak_memory_gib": peak}
+
+
+def gpu_first_step(args, compiled: bool, bin_file: Path, tmp: Path) -> float:
+    """Seconds from starting `python train.py` to its first optimizer step (compiled: with warm caches)."""
+    run_dir = tmp / f"first-step-{compiled}"
+    started = time.time()
+    run([sys.executable, "train.py", "experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}",
+         "data.vocab_size=50304", "data.val_fraction=0.05", f"trainer.compile={str(compiled).lower()}",
+         "trainer.max_steps=1", "trainer.log_every=1", "trainer.eval_batches=1", "trainer.monitor=null",
+         f"trainer.mixed_precision={args.mixed_precision}", f"hydra.run.dir={run_dir}"],
+        env={**os.environ, "TQDM_DISABLE": "1"})
+    return scalars(run_dir, "train/loss")[0].wall_time - started
+
+
+def gpu(args) -> dict:
+    """The template against nanoGPT on one GPU, GPT-2-124M's shape, bf16, at each micro-batch x accumulation
+    shape, compiled and eager: ms/step, tokens/s, MFU and peak memory of both, and the template's time to its
+    first optimizer step. No download: both train on the byte tokens of the bundled text (vocab 50304)."""
+    import numpy as np
+    import torch
+
+    from src.schema import build, resolve_data_sizes
+    from src.telemetry import flops_per_token, peak_tflops
+
+    device = torch.device(args.device)
+    peak = args.peak_tflops or peak_tflops(device, args.mixed_precision, None)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "model_shape": args.model_shape, "peak_tflops": peak}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tokens = np.frombuffer((ROOT / "data" / "tinyshakespeare.txt").read_bytes(), dtype=np.uint8).astype(np.uint16)
+        bin_file = tmp / "bytes.bin"
+        tokens.tofile(bin_file)
+        work = tmp / "nanoGPT"
+        shutil.copytree(Path(args.nanogpt).resolve(), work, ignore=shutil.ignore_patterns(".git", "out*"))
+        (work / "data" / "bench_bytes").mkdir(parents=True)
+        split = int(len(tokens) * 0.95)  # no meta.pkl: nanoGPT then uses vocab 50304, as the template is told
+        tokens[:split].tofile(work / "data" / "bench_bytes" / "train.bin")
+        tokens[split:].tofile(work / "data" / "bench_bytes" / "val.bin")
+        cfg = compose_config(["experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}",
+                              "data.vocab_size=50304"])
+        cfg = resolve_data_sizes(cfg, build(cfg.data, group="data").sizes())
+        flops = flops_per_token(build(cfg.model, group="model"))
+        for shape in args.shapes:
+            batch, accumulation = map(int, shape.split("x"))
+            tokens_per_step = batch * accumulation * int(args.model_shape.split(",")[3])
+            for compiled in [mode == "compiled" for mode in args.modes]:
+                name = f"{shape} {'compiled' if compiled else 'eager'}"
+                runs = {"template": [], "nanogpt": []}
+                for repeat in range(args.repeats):  # alternating, so neither side gets the warmer GPU
+                    runs["template"].append(gpu_template(args, batch, accumulation, compiled,
+                                                         tmp / f"{shape}-{compiled}-{repeat}", bin_file))
+                    runs["nanogpt"].append(gpu_nanogpt(args, batch, accumulation, compiled, work))
+                entry = {}
+                for side, results in runs.items():
+                    step_s = median(r["step_s"] for r in results)
+                    entry[side] = {"ms_per_step": round(step_s * 1e3, 1),
+                                   "ms_per_step_runs": [round(r["step_s"] * 1e3, 1) for r in results],
+                                   "tokens_per_s": round(tokens_per_step / step_s),
+                                   "mfu": round(flops * tokens_per_step / step_s / (peak * 1e12), 4) if peak else None,
+                                   "peak_memory_gib": round(max(r["peak_memory_gib"] for r in results), 2)}
+                entry["template"]["final_evaluation_s"] = round(max(r["evaluation_s"] for r in runs["template"]), 2)
+                ours, theirs = entry["template"]["tokens_per_s"], entry["nanogpt"]["tokens_per_s"]
+                entry["tokens_per_s_ratio"] = round(ours / theirs, 3)
+                report[name] = entry
+                print(json.dumps({name: entry}), file=sys.stderr, flush=True)
+        report["template_first_step_s"] = {mode: round(gpu_first_step(args, mode == "compiled", bin_file, tmp), 2)
+                                           for mode in args.modes}
+    return report
+
+
 # ------------------------------------------------------------------------------------------------- main
 
 
@@ -453,20 +601,32 @@ def main() -> None:
         q.add_argument("overrides", nargs="*", help="Hydra overrides for both sides, e.g. data.batch_size=64")
     n = commands.add_parser("nanogpt", help="config/experiment/nanogpt_shakespeare_char.yaml against nanoGPT")
     n.add_argument("--nanogpt", required=True, help="a checkout of karpathy/nanoGPT")
+    n.add_argument("--seeds", type=int, nargs="+", default=[1337], help="one run of each side per seed (x --repeats)")
+    n.add_argument("overrides", nargs="*", help="Hydra overrides for the template's side, e.g. data.random_windows=false")
     s = commands.add_parser("startup", help="time to the first optimizer step")
     s.add_argument("overrides", nargs="*")
+    g = commands.add_parser("gpu", help="the template against nanoGPT on one GPU, GPT-2-124M shape")
+    g.add_argument("--nanogpt", required=True, help="a checkout of karpathy/nanoGPT")
+    g.add_argument("--shapes", nargs="+", default=["12x5", "32x2"], help="micro-batch x accumulation steps")
+    g.add_argument("--modes", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager"])
+    g.add_argument("--steps", type=int, default=60, help="optimizer steps per run (the first 20 are not timed)")
+    g.add_argument("--peak-tflops", type=float, help="one GPU's peak dense bf16 TFLOP/s (default: known GPUs)")
+    g.add_argument("--model-shape", default=GPT2_SHAPE, help="n_layer,n_head,n_embd,block_size")
+    g.add_argument("--device", default="cuda", help="cpu: a dry run of the plumbing with a small --model-shape")
+    g.add_argument("--mixed-precision", default="bf16", choices=["bf16", "no"])
     c = commands.add_parser("checkpoint", help="checkpoint save MB/s against a raw write")
     c.add_argument("--n-layer", type=int, default=8)
     c.add_argument("--n-embd", type=int, default=512)
     c.add_argument("--dir", default=str(ROOT / "outputs"), help="where to write (the disk runs write to)")
-    for q in (p, n, s, c):
-        q.add_argument("--repeats", type=int, default=3)
+    for q in (p, n, s, c, g):
+        q.add_argument("--repeats", type=int, default=1 if q is g else 3)
     args = parser.parse_args()
     if args.command == "_hand_written":
         hand_written(args)
         return
     Path(getattr(args, "dir", ROOT)).mkdir(parents=True, exist_ok=True)
-    report = {"parity": parity, "nanogpt": nanogpt, "startup": startup, "checkpoint": checkpoint}[args.command](args)
+    report = {"parity": parity, "nanogpt": nanogpt, "startup": startup, "checkpoint": checkpoint,
+              "gpu": gpu}[args.command](args)
     if args.command == "parity":
         print(json.dumps(report, indent=2))
         print(json.dumps({k: {"weights_equal": v["weights_equal"], "step_time_ratio": v["step_time_ratio"]}

@@ -4,8 +4,9 @@ Compiling the model alone leaves the loss outside the compiler's reach: the logi
 (accelerate's autocast wrapper and the objective both upcast them; for a GPT-2-sized vocabulary 2.4 GB per
 micro-step) and read back by an unfused softmax. Compiled together with the objective, the upcast and the
 log-softmax fuse into the kernels that consume the logits (measured on an H100 for GPT-2-124M, 12 x 5
-micro-steps: 177 -> 142 ms per step in train.py; in a bare loop, peak memory 12.9 -> 7.2 GiB). It works for any objective, batch form and
-model output (src/batches.py), because the compiler traces exactly the code the eager path runs.
+micro-steps: 177 -> 142 ms per step in train.py; in a bare loop, peak memory 12.9 -> 7.2 GiB). It works for
+any objective, batch form and model output (src/batches.py), because the compiler traces exactly the code the
+eager path runs.
 
 The model is an argument, not compiled in place, so parameter names in checkpoints and exports never carry
 the compiler's `_orig_mod.` prefix. Under DDP the compiler splits the model's graph at the gradient buckets

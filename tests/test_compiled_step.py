@@ -21,9 +21,10 @@ def graphs_compiled() -> int:
 
 def test_the_compiled_step_is_one_graph_with_the_eager_loss_and_gradients_for_each_batch_and_output_form():
     torch.manual_seed(0)
-    cases = [(GPT, CrossEntropy(), lambda x: x), (MappingOutput, CausalLM(), lambda x: {"input_ids": x})]
-    for model_class, objective, as_inputs in cases:
-        model = model_class(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    cases = [(GPT, CrossEntropy(), lambda x: x, False), (MappingOutput, CausalLM(), lambda x: {"input_ids": x}, True)]
+    for model_class, objective, as_inputs, checkpointing in cases:  # activation checkpointing in the second
+        model = model_class(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32,
+                            gradient_checkpointing=checkpointing)
         x, y = torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 16))
         y = x if objective.shifts_targets else y
         eager = Forward(objective, compile=False).loss_sum(model, as_inputs(x), y)

@@ -92,9 +92,12 @@ def test_eval_entry_point_reproduces_the_final_eval_metric_of_training(tmp_path)
         assert abs(report["eval/loss"] - logged) < 1e-5, (source, report, logged)
 
 
-def test_compiled_model_trains_and_exports_weights_a_fresh_model_loads(tmp_path):
-    run_dir = tmp_path / "run"
-    run([*TINY_GPT, *QUIET, "trainer.compile=true", "trainer.max_steps=6", "data.batch_size=8",
-         f"hydra.run.dir={run_dir}"])
-    tokens = torch.randint(0, exported_kwargs(run_dir)["vocab_size"], (2, 32))
-    assert_exported_model_matches_final_checkpoint(run_dir, tokens)  # no "_orig_mod." prefix in either
+def test_a_compiled_ddp_run_learns_what_the_eager_one_does_and_exports_weights_a_fresh_model_loads(tmp_path):
+    args = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "data.batch_size=8", "trainer.eval_batches=3"]
+    for mode in ("eager", "compiled"):
+        run([*args, f"trainer.compile={mode == 'compiled'}", f"hydra.run.dir={tmp_path / mode}"], nproc=2)
+    eager, compiled = scalars(tmp_path / "eager", "train/loss"), scalars(tmp_path / "compiled", "train/loss")
+    assert eager.keys() == compiled.keys() and all(abs(eager[s] - compiled[s]) < 1e-4 for s in eager)
+    assert abs(scalars(tmp_path / "eager", "eval/loss")[6] - scalars(tmp_path / "compiled", "eval/loss")[6]) < 1e-4
+    tokens = torch.randint(0, exported_kwargs(tmp_path / "compiled")["vocab_size"], (2, 32))
+    assert_exported_model_matches_final_checkpoint(tmp_path / "compiled", tokens)  # no "_orig_mod." in either
