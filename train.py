@@ -100,7 +100,8 @@ def main(cfg: DictConfig) -> float | None:
     export = lambda directory, module=model: export_model(accelerator, module, cfg.model, directory)  # noqa: E731
     checkpointer = Checkpointer(accelerator, run_dir, cfg, export)
     preemption = PreemptionWatch()
-    guard = NonFiniteGuard(accelerator, trainer.nonfinite, trainer.max_consecutive_skips, run_dir, preemption)
+    guard = NonFiniteGuard(accelerator, optimizer, scheduler, ema, trainer.nonfinite, trainer.max_consecutive_skips,
+                           run_dir, preemption)
     hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s)
     early_stopping = EarlyStopping(trainer.monitor, trainer.monitor_mode, trainer.early_stopping_patience,
                                    trainer.early_stopping_min_delta)

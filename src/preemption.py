@@ -4,7 +4,7 @@ scripts ask for it), SIGUSR2 (the same, as submitit asks for it) or SIGTERM.
 The handler only sets a flag. The ranks agree on it (the signal may have reached only some of them) in the
 collective the non-finite check makes anyway (src/nonfinite.py), so stopping costs no collective and no host
 sync of its own: at the next step that logs, evaluates or saves (at most trainer.log_every optimizer steps
-after the signal; every step with trainer.nonfinite=skip). Then one checkpoint is saved and the run stops.
+after the signal; every step where the check reads every step). Then one checkpoint is saved and the run stops.
 After the warning signals, rank 0 requeues the SLURM job, which resumes from that checkpoint with
 resume=auto. SIGTERM saves too but does not requeue: it is what `scancel` sends, and a job SLURM preempts with
 PreemptMode=REQUEUE is requeued by SLURM itself. The process then exits with PREEMPTED_EXIT_CODE, so a wrapper script can tell "saved, start me

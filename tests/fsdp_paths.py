@@ -48,12 +48,16 @@ clipped = {name: plain(p.grad) for name, p in sharded.named_parameters()}
 assert all(torch.allclose(clipped[name], p.grad, atol=1e-6) for name, p in whole.named_parameters())
 
 with tempfile.TemporaryDirectory() as tmp:
-    guard = NonFiniteGuard(accelerator, "error", 3, Path(tmp), PreemptionWatch())
+    optimizer = torch.optim.AdamW(sharded.parameters(), fused=True)  # found_inf: a bad step changes nothing
+    before = {name: plain(p).clone() for name, p in sharded.named_parameters()}
+    guard = NonFiniteGuard(accelerator, optimizer, None, None, "error", 3, Path(tmp), PreemptionWatch())
     assert guard.step_is_finite(1, loss, norm)
     guard.settle()  # a finite step: nothing to report
     nan_loss = forward.loss_sum(sharded, x, y) * float("nan")
     nan_loss.backward()
     guard.step_is_finite(2, nan_loss, plain(accelerator.clip_grad_norm_(sharded.parameters(), 0.5)))
+    optimizer.step()
+    assert all(torch.equal(plain(p), before[name]) for name, p in sharded.named_parameters())
     try:
         guard.settle()
         raise AssertionError("a NaN step on sharded weights was not reported")

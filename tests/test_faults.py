@@ -3,9 +3,12 @@
 import json
 import math
 
+import pytest
+import torch
 from safetensors.torch import load_file
 
-from tests.conftest import QUIET, TINY_GPT, run, scalars
+from src.schedule import warmup_cosine
+from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
 
 ARGS = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.checkpoint_every=1", "trainer.monitor=null",
         "scheduler.warmup_steps=2", "trainer.max_steps=8"]
@@ -47,6 +50,28 @@ def test_skip_mode_skips_and_counts_nonfinite_steps_without_advancing_the_schedu
     assert lr[3] == lr[4] == lr[2]  # the schedule stood still while steps were skipped
     assert all(math.isfinite(v) for v in scalars(run_dir, "eval/loss").values())
     assert all(t.isfinite().all() for t in load_file(run_dir / "model" / "model.safetensors").values())
+
+
+def test_skip_mode_without_host_reads_skips_on_the_device_with_the_weights_and_schedule_of_reading_each_step(tmp_path):
+    """A fused optimizer skips a bad step itself (found_inf); the host learns of it at the next logging step and
+    moves the schedule back. Read at once (log_every=1) or 2 steps later, the run ends bitwise the same."""
+    args = [*ARGS, NAN_MODEL, "+model.nan_calls=[3,4]", "trainer.nonfinite=skip", "optimizer.fused=true"]
+    for name, every in (("at_once", 1), ("later", 4)):
+        run([*args, f"trainer.log_every={every}", f"hydra.run.dir={tmp_path / name}"], nproc=2)
+    for tag in ("train/skipped_steps", "train/lr", "train/loss"):
+        later = scalars(tmp_path / "later", tag)
+        at_once = {step: v for step, v in scalars(tmp_path / "at_once", tag).items() if step in later}
+        assert repr(later) == repr(at_once), tag  # repr: a skipped step's NaN loss equals itself
+    assert scalars(tmp_path / "later", "train/skipped_steps")[8] == 2
+    assert max_abs_diff(exported_weights(tmp_path / "at_once"), exported_weights(tmp_path / "later")) == 0
+    schedule = warmup_cosine(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3), total_steps=8,
+                             warmup_steps=2)
+    positions = {}
+    for position in range(7):
+        positions[position] = schedule.get_last_lr()[0]
+        schedule.step()
+    lr = scalars(tmp_path / "later", "train/lr")  # after 4 and 8 steps, 2 of them skipped: positions 2 and 6
+    assert lr[4] == pytest.approx(positions[2], rel=1e-6) and lr[8] == pytest.approx(positions[6], rel=1e-6)
 
 
 def test_skip_mode_stops_after_too_many_consecutive_skips(tmp_path):

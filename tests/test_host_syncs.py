@@ -24,14 +24,16 @@ def reads_per_step(tmp_path, extra: list[str], nproc: int = 1, env: dict | None 
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_optimizer_steps_make_no_host_reads_between_logging_steps(tmp_path, nproc):
-    for reads in reads_per_step(tmp_path, ["trainer.gradient_accumulation_steps=2"], nproc):
+@pytest.mark.parametrize("nonfinite", ["error", "skip"])
+def test_optimizer_steps_make_no_host_reads_between_logging_steps(tmp_path, nproc, nonfinite):
+    for reads in reads_per_step(tmp_path, ["trainer.gradient_accumulation_steps=2", f"trainer.nonfinite={nonfinite}"],
+                                nproc):
         assert not any(reads.values()), {step: r for step, r in reads.items() if r}
 
 
-def test_skip_mode_reads_its_verdict_every_step_as_documented(tmp_path):
-    """The counterpart, which also shows the watch sees reads: skip must know before the optimizer applies."""
-    (reads,) = reads_per_step(tmp_path, ["trainer.nonfinite=skip"])
+def test_skip_mode_reads_its_verdict_every_step_when_the_optimizer_cannot_skip_on_the_device(tmp_path):
+    """The counterpart, which also shows the watch sees reads: without found_inf, skip must know at once."""
+    (reads,) = reads_per_step(tmp_path, ["trainer.nonfinite=skip", "optimizer.fused=false"])
     assert all(any("nonfinite.py" in r for r in step_reads) for step_reads in reads.values()), reads
 
 
