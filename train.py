@@ -133,7 +133,8 @@ def main(cfg: DictConfig) -> float | None:
                 apply_step = True
                 if accelerator.sync_gradients:
                     grad_norm = plain(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-                    apply_step = guard.step_is_finite(state.step + 1, step_loss_sum, grad_norm)  # error: no sync
+                    # A bad step is skipped on the device (src/nonfinite.py); the host reads the verdict later.
+                    apply_step = guard.step_is_finite(state.step + 1, step_loss_sum, grad_norm)
                 if apply_step:
                     optimizer.step()  # a no-op until the accumulation window is complete
                 optimizer.zero_grad(set_to_none=True)
@@ -149,7 +150,7 @@ def main(cfg: DictConfig) -> float | None:
         done = state.step >= trainer.max_steps
         evaluating = done or (trainer.eval_every and state.step % trainer.eval_every == 0)
         if logging_step or evaluating or checkpointer.saves_at(state.step):
-            guard.settle()  # raises at a non-finite step before anything of it is logged or saved
+            guard.settle()  # stops at a non-finite step before anything of it is logged or saved; counts skips
         logged = {}
         if logging_step:
             step_loss = (accelerator.reduce(step_loss_sum, "sum") / step_targets.clamp(min=1)).item()
