@@ -165,7 +165,7 @@ def check_gpus_per_node(local_processes: int, gpus: int) -> None:
         f"{local_processes} processes were started on this node but it has {gpus} visible GPU(s) "
         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): one process per GPU. Launch "
         f"{fits}, or train on the CPU with {local_processes} processes: "
-        f"CUDA_VISIBLE_DEVICES= {cpu_ddp_hint(local_processes).split('  (or')[0]}"
+        f"CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu --num_processes {local_processes} train.py ..."
     )
 
 

@@ -5,6 +5,7 @@ Without native support, bf16 matmuls on a CPU are converted element by element: 
 (no AVX-512-BF16), `experiment=shakespeare_char` took 4.7 minutes per optimizer step in bf16.
 """
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -51,8 +52,12 @@ def resolve_precision(value: str, source: str, cpuinfo: str | None = None) -> tu
     if value == "bf16" and not torch.cuda.is_available():
         native, device = native_bf16(cpuinfo)
         if not native:
-            log.warning("mixed precision bf16 (%s) on %s: bf16 is emulated there, typically tens of times slower "
-                        "than fp32 (4.7 minutes per optimizer step for experiment=shakespeare_char on a 2-core AMD "
-                        "EPYC). trainer.mixed_precision=auto picks fp32 here and bf16 where it is native.",
-                        source, device)
+            warn_emulated_bf16(source, device)
     return value, source
+
+
+@functools.cache  # once per process: the config check before the run dir and train.py both resolve it
+def warn_emulated_bf16(source: str, device: str) -> None:
+    log.warning("mixed precision bf16 (%s) on %s: bf16 is emulated there, typically tens of times slower than fp32 "
+                "(4.7 minutes per optimizer step for experiment=shakespeare_char on a 2-core AMD EPYC). "
+                "trainer.mixed_precision=auto picks fp32 here and bf16 where it is native.", source, device)
