@@ -211,16 +211,18 @@ def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Pa
     check_process_count(accelerator, settings.requested_processes)
     check_same_run_dir(accelerator, run_dir)
     use_cpu_threads(accelerator, trainer.cpu_threads)
-    exit_with_the_launcher()
+    exit_with_the_launcher(accelerator.is_main_process)
     return accelerator
 
 
-def exit_with_the_launcher(poll_s: float = 1.0) -> None:
+def exit_with_the_launcher(main_process: bool, poll_s: float = 1.0) -> None:
     """A worker of torch's elastic agent (accelerate launch --multi_gpu, torchrun) ends when the agent dies.
 
     The agent starts each worker in its own session, so a SIGKILLed launcher (`kill -9`, an OOM kill) leaves
     the workers training on, unseen, writing into the run dir a resumed run then also writes into. A daemon
     thread notices the worker being re-parented and ends it; a signal to the agent is still forwarded as before.
+    The other ranks wait two polls before they go: one leaving first would fail rank 0's next collective
+    before rank 0 had noticed, and train.log (rank 0's) would not say why the run ended.
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return  # a plain `python train.py` (or srun's own tasks) may outlive its shell by design, e.g. nohup
@@ -231,6 +233,8 @@ def exit_with_the_launcher(poll_s: float = 1.0) -> None:
             time.sleep(poll_s)
         log.error("the launcher (pid %d) is gone: this worker (pid %d) stops rather than train on orphaned",
                   launcher, os.getpid())
+        if not main_process:
+            time.sleep(2 * poll_s)
         os._exit(1)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
