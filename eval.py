@@ -15,12 +15,15 @@ from accelerate import Accelerator
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-import src.config  # noqa: F401  (registers the resolvers a run's config may use)
-from src.checkpoint import load_checkpointed_model, run_config_for
-from src.evaluation import evaluate
-from src.export import load_exported_model
-from src.forward import Forward
-from src.launch import check_process_count, needs_cpu_flag, run_then_release, shut_down, use_cpu_threads
+import src.schema.hydra_hooks  # noqa: F401  (registers the resolvers a run's config may use)
+from src.checkpointing.export import load_exported_model
+from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
+from src.launch.accelerator import use_cpu_threads
+from src.launch.checks import check_process_count
+from src.launch.settings import needs_cpu_flag
+from src.launch.shutdown import run_then_release, shut_down
+from src.loop.evaluation import evaluate
+from src.loop.forward import Forward
 
 log = logging.getLogger("eval")
 

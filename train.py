@@ -6,7 +6,8 @@
     accelerate launch --multi_gpu --num_processes 2 train.py trainer.max_steps=100   # CPU DDP
     accelerate launch train.py hydra.run.dir=outputs/my_run resume=auto             # continue a run
 
-Each option's keys are its `_target_`'s signature (src/schema.py); the loop's are TrainerConfig (src/config.py).
+Each option's keys are its `_target_`'s signature (src/schema/signature.py); the loop's are TrainerConfig
+(src/schema/trainer.py).
 """
 
 import logging
@@ -15,33 +16,32 @@ import sys
 from pathlib import Path
 
 import hydra
-from accelerate.utils import set_seed
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from src.accumulation import accumulation_windows, fit_run_to_data, global_target_count, loss_for_backward
-from src.auto_batch import find_micro_batch
-from src.batches import split_batch
-from src.checkpoint import Checkpointer, config_for_resume, load_checkpoint, resume_source
-from src.config import complete_config
-from src.early_stopping import EarlyStopping
-from src.ema import build_ema
-from src.evaluation import evaluate
-from src.export import export_model
-from src.forward import Forward
-from src.hang_watch import HangWatch
-from src.launch import (Setting, build_accelerator, check_replicas_in_sync, describe_launch, hide_tied_weight_notices,
-                        launch_settings, outlive_main, run_then_release, shut_down)
-from src.nonfinite import NonFiniteGuard, plain
-from src.optim import build_optimizer
-from src.preemption import PREEMPTED_EXIT_CODE, PreemptionWatch, requeue_slurm_job
-from src.progress import Progress
-from src.run_log import start_run_log, stop_run_log
-from src.schema import build, resolve_data_sizes
-from src.slurm_sweep import in_submitit_slurm_job, launch_this_node
-from src.sync_batchnorm import sync_batchnorm
-from src.telemetry import Telemetry, process_start_time
-from src.train_state import TrainState
+import src.schema.hydra_hooks  # noqa: F401  (registers the base config and the run-dir timestamp with Hydra)
+from src.checkpointing.export import export_model
+from src.checkpointing.load import load_checkpoint
+from src.checkpointing.save import Checkpointer
+from src.faults.hang_watch import HangWatch
+from src.faults.nonfinite import NonFiniteGuard, plain
+from src.faults.preemption import PreemptionWatch, requeue_slurm_job
+from src.launch.banner import describe_launch
+from src.launch.checks import check_replicas_in_sync
+from src.launch.shutdown import outlive_main, run_then_release, shut_down
+from src.launch.slurm_sweep import in_submitit_slurm_job, launch_this_node
+from src.loop.accumulation import accumulation_windows, global_target_count, loss_for_backward
+from src.loop.batches import split_batch
+from src.loop.early_stopping import EarlyStopping
+from src.loop.ema import build_ema
+from src.loop.evaluation import evaluate
+from src.loop.forward import Forward
+from src.optim.optimizers import build_optimizer
+from src.reporting.progress import Progress
+from src.reporting.run_log import start_run_log, stop_run_log
+from src.reporting.telemetry import Telemetry, process_start_time
+from src.run import build_run
+from src.schema.build import build
 
 log = logging.getLogger("train")
 
@@ -51,39 +51,13 @@ def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if in_submitit_slurm_job():  # hydra/launcher=submitit_slurm: this node starts its training processes
         return launch_this_node(run_dir)
-    cfg = complete_config(cfg)  # every default filled in from the signatures, every value checked
-    checkpoint = resume_source(cfg.resume, run_dir)  # refuses to write into another run's directory
-    if checkpoint:
-        cfg = config_for_resume(cfg, checkpoint, HydraConfig.get().overrides.task)
-    launch = launch_settings(cfg.trainer)  # precision and accumulation: from the config or the launcher
-    cfg.trainer.mixed_precision = launch.mixed_precision.value  # saved as they were in effect
-    cfg.trainer.gradient_accumulation_steps = accumulation = launch.gradient_accumulation_steps.value
-    trainer = cfg.trainer
-    # Its collectives hold every rank here until all have checked the run dir above, before rank 0 writes.
-    accelerator = build_accelerator(trainer, launch, run_dir)
-    set_seed(trainer.seed)
-
-    # Build. The data first: the model config may use sizes only the data knows (${dataset:vocab_size}).
-    data = build(cfg.data, group="data")
-    state = TrainState(batch_size=data.batch_size, num_processes=accelerator.num_processes,
-                       gradient_accumulation_steps=accumulation)
-    epoch_steps = fit_run_to_data(data, trainer, state)  # whole global batches; max_epochs -> max_steps
-    cfg = resolve_data_sizes(cfg, data.sizes())
-    trainer = cfg.trainer  # the resolved config is a new object: what is saved from here on
-    model = build(cfg.model, group="model")
-    hide_tied_weight_notices(model)  # accelerate's "Removed shared tensor" at every save, for the model's own ties
-    if trainer.sync_batchnorm:
-        model = sync_batchnorm(model, accelerator)
-    objective = build(cfg.objective, group="objective")
+    # Build: the config completed, resumed and resolved, then the Accelerator, data, model and objective it
+    # names (src/run.py). Every decision is taken there; from here on the config is read-only.
+    run = build_run(cfg, run_dir, HydraConfig.get().overrides.task)
+    cfg, trainer, checkpoint = run.cfg, run.trainer, run.checkpoint
+    accelerator, data, model, objective = run.accelerator, run.data, run.model, run.objective
+    state = run.train_state()
     forward = Forward(objective, trainer.compile)  # model + loss: with trainer.compile, one compiled graph
-    if trainer.auto_micro_batch and not checkpoint:  # a resumed run keeps the micro-batch its config records
-        micro_batch = find_micro_batch(accelerator, model, objective, data, data.batch_size * accumulation)
-        accumulation = data.batch_size * accumulation // micro_batch
-        data.batch_size = cfg.data.batch_size = state.batch_size = micro_batch
-        state.gradient_accumulation_steps = accumulation  # the global batch is unchanged
-        accelerator.gradient_accumulation_steps = trainer.gradient_accumulation_steps = accumulation
-        launch.gradient_accumulation_steps = Setting(accumulation, "auto micro-batch: largest that fits")
-        log.info("auto micro-batch: %d samples per process x %d micro-steps", micro_batch, accumulation)
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader(trainer.eval_batches)
     optimizer = build_optimizer(cfg.optimizer, model, state.global_batch)
     scheduler = build(cfg.scheduler, optimizer, group="scheduler")
@@ -92,13 +66,13 @@ def main(cfg: DictConfig) -> float | None:
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, val_loader, scheduler
     )
-    outlive_main(accelerator, model)  # multi-process: no gloo teardown in a destructor (src/launch.py)
+    outlive_main(accelerator, model)  # multi-process: no gloo teardown in a destructor (src/launch/shutdown.py)
     ema = build_ema(accelerator, model, trainer.ema_decay)  # registered for checkpointing: load_state restores it
     if checkpoint:
-        load_checkpoint(accelerator, checkpoint, state, trainer.seed)  # on this layout: the global batch must match
-    start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, launch, run_dir), state.step)
+        load_checkpoint(accelerator, checkpoint, state, trainer.seed, restart_epoch=run.data_changed)
+    start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, run.launch, run_dir), state.step)
     export = lambda directory, module=model: export_model(accelerator, module, cfg.model, directory)  # noqa: E731
-    checkpointer = Checkpointer(accelerator, run_dir, cfg, export)
+    checkpointer = Checkpointer(accelerator, run_dir, cfg, export, run.data_fingerprint)
     preemption = PreemptionWatch()
     guard = NonFiniteGuard(accelerator, optimizer, scheduler, ema, trainer.nonfinite, trainer.max_consecutive_skips,
                            run_dir, preemption)
@@ -107,14 +81,15 @@ def main(cfg: DictConfig) -> float | None:
                                    trainer.early_stopping_min_delta)
 
     # Loop: one iteration per optimizer step, over a window of `accumulation` micro-batches whose loss is
-    # normalised by the targets of the whole global batch (src/accumulation.py).
+    # normalised by the targets of the whole global batch (src/loop/accumulation.py).
     max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
     telemetry = Telemetry(accelerator, model, state.global_batch, trainer.mixed_precision, trainer.peak_tflops,
                           process_start_time(), trainer.profile, run_dir)
     progress = Progress(trainer.max_steps, state.step, accelerator.is_main_process, trainer.progress_interval_s)
     step_loss, metrics, stop_reason = None, {}, None
     model.train()
-    windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps, accumulation, epoch_steps)
+    windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps,
+                                   trainer.gradient_accumulation_steps, run.epoch_steps)
     if early_stopping.already_stopped(state):  # resumed from the checkpoint of an early stop
         log.info("%s at step %d: nothing left to train", early_stopping.reason(state), state.step)
         windows = []
@@ -133,7 +108,7 @@ def main(cfg: DictConfig) -> float | None:
                 apply_step = True
                 if accelerator.sync_gradients:
                     grad_norm = plain(accelerator.clip_grad_norm_(model.parameters(), max_grad_norm))
-                    # A bad step is skipped on the device (src/nonfinite.py); the host reads the verdict later.
+                    # A bad step is skipped on the device (src/faults/nonfinite.py); the host reads the verdict later.
                     apply_step = guard.step_is_finite(state.step + 1, step_loss_sum, grad_norm)
                 if apply_step:
                     optimizer.step()  # a no-op until the accumulation window is complete
@@ -192,9 +167,10 @@ def main(cfg: DictConfig) -> float | None:
     telemetry.summary(run_dir, stop_reason or "finished", state.step, accelerator.num_processes,
                       trainer.mixed_precision, metrics, best, step_loss)
     if preempted:  # resume later from the checkpoint just saved
-        requeue_slurm_job(accelerator, preemption)
+        if not requeue_slurm_job(accelerator, preemption) and accelerator.is_main_process:
+            log.warning("to continue: the same command with resume=auto hydra.run.dir=%s", run_dir)
         shut_down(accelerator)
-        sys.exit(PREEMPTED_EXIT_CODE)
+        sys.exit(preemption.exit_code())
 
     # Save.
     export(run_dir / "model")

@@ -53,7 +53,7 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 def compose_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from src.config import complete_config
+    from src.schema.complete import complete_config
 
     with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
         return complete_config(compose(config_name="train", overrides=overrides))
@@ -78,8 +78,9 @@ def hand_written(args) -> None:
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from src.optim import build_optimizer
-    from src.schema import build, resolve_data_sizes
+    from src.optim.optimizers import build_optimizer
+    from src.schema.build import build
+    from src.schema.data_sizes import resolve_data_sizes
 
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
     device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None)
@@ -188,7 +189,7 @@ def run_template(args, processes: int, run_dir: Path) -> dict:
 def weights_equal(template_model: Path, hand_weights: Path) -> bool:
     import torch
 
-    from src.export import load_exported_model
+    from src.checkpointing.export import load_exported_model
 
     ours, theirs = load_exported_model(template_model).state_dict(), torch.load(hand_weights)
     return ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
@@ -225,8 +226,9 @@ def parity(args) -> dict:
                 "hand_written_peak_memory_gib": round(max(r["peak_memory_gib"] for r in runs["hand_written"]), 3),
             }
             if args.peak_tflops:
-                from src.schema import build, resolve_data_sizes
-                from src.telemetry import flops_per_token
+                from src.reporting.telemetry import flops_per_token
+                from src.schema.build import build
+                from src.schema.data_sizes import resolve_data_sizes
 
                 data = build(cfg.data, group="data")
                 model = build(resolve_data_sizes(cfg, data.sizes()).model, group="model")
@@ -281,8 +283,8 @@ def nanogpt_full_validation(nanogpt: Path, checkpoint: Path, val) -> float:
 def nanogpt(args) -> dict:
     import torch
 
-    from src.export import load_exported_model
-    from src.schema import build
+    from src.checkpointing.export import load_exported_model
+    from src.schema.build import build
 
     nanogpt_dir = Path(args.nanogpt).resolve()
     cfg = compose_config(["experiment=nanogpt_shakespeare_char"])
@@ -395,10 +397,12 @@ def checkpoint(args) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from src.checkpoint import Checkpointer, step_dir_name
-    from src.optim import build_optimizer
-    from src.schema import build, resolve_data_sizes
-    from src.train_state import TrainState
+    from src.checkpointing.layout import step_dir_name
+    from src.checkpointing.save import Checkpointer
+    from src.loop.train_state import TrainState
+    from src.optim.optimizers import build_optimizer
+    from src.schema.build import build
+    from src.schema.data_sizes import resolve_data_sizes
 
     cfg = compose_config([f"model.n_layer={args.n_layer}", f"model.n_embd={args.n_embd}", "model.n_head=8"])
     accelerator = Accelerator(cpu=True)
@@ -411,7 +415,7 @@ def checkpoint(args) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     times = {"template": [], "raw": []}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        checkpointer = Checkpointer(accelerator, Path(tmp), cfg, export=None)
+        checkpointer = Checkpointer(accelerator, Path(tmp), cfg, export=None, data_fingerprint=data.fingerprint())
         first = checkpointer.save(TrainState(step=0))  # a warm-up, and the bytes the raw side writes
         files = {f.relative_to(first): f.read_bytes() for f in first.rglob("*") if f.is_file()}
 
@@ -532,8 +536,9 @@ def gpu(args) -> dict:
     import numpy as np
     import torch
 
-    from src.schema import build, resolve_data_sizes
-    from src.telemetry import flops_per_token, peak_tflops
+    from src.reporting.telemetry import flops_per_token, peak_tflops
+    from src.schema.build import build
+    from src.schema.data_sizes import resolve_data_sizes
 
     device = torch.device(args.device)
     peak = args.peak_tflops or peak_tflops(device, args.mixed_precision, None)

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One node's share of a SLURM job: one `accelerate launch` that starts this node's training processes and
 # joins the others'. srun runs it once per node (slurm/train_multi_node.sbatch), and so does each job of a
-# `hydra/launcher=submitit_slurm` sweep (src/slurm_sweep.py).
+# `hydra/launcher=submitit_slurm` sweep (src/launch/slurm_sweep.py).
 #   slurm/launch_node.sh train.py OVERRIDES...
 # Processes per node: PROCS_PER_NODE, else the node's GPUs, else 1. The main address: MAIN_HOST:MAIN_PORT,
 # by default the job's first host and a port derived from the job id (the sbatch script checks it is free).
@@ -11,7 +11,7 @@ MAIN_HOST=${MAIN_HOST:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n
 MAIN_PORT=${MAIN_PORT:-$(( 20000 + SLURM_JOB_ID % 20000 ))}  # per-job port: concurrent jobs don't collide
 # SLURM_NODEID is this node's own: every node that claimed machine rank 0 would time out the rendezvous.
 # `trap "" USR1 USR2` + exec: the launcher ignores the preemption signals (it would die of them); the
-# training processes inherit that and install their own handler (src/preemption.py).
+# training processes inherit that and install their own handler (src/faults/preemption.py).
 trap "" USR1 USR2
 LAUNCH=(accelerate launch --num_machines "$SLURM_JOB_NUM_NODES" --machine_rank "$SLURM_NODEID"
         --num_processes $(( SLURM_JOB_NUM_NODES * PROCS ))

@@ -7,7 +7,7 @@ import torch
 
 from src.data.jsonl import JsonlData
 from src.models.gpt import GPT
-from src.objectives import CausalLM
+from src.objectives.classification import CausalLM
 
 
 class AutocastRecorder(GPT):

@@ -132,23 +132,10 @@ def cifar_root(tmp_path_factory) -> Path:
     return root
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slurm: needs a running SLURM cluster (scripts/local_slurm.sh start)")
-    config.addinivalue_line("markers", "slow: the README's commands and the SLURM jobs; run with -m slow (CI runs both)")
-    config.addinivalue_line("markers", "gpu: needs CUDA; skipped without it (python -m pytest tests -m gpu on a GPU)")
-
-
 def pytest_collection_modifyitems(config, items):
-    """`python -m pytest tests` leaves the slow tests out, to stay near 10 minutes on 2 cores; an explicit
-    -m (e.g. `-m slow`, as CI runs after the rest) selects as usual. `gpu` tests run only where CUDA is."""
+    """`gpu` tests run only where CUDA is (the default suite hides GPUs from everything else it launches)."""
     if not GPUS:
         no_gpu = pytest.mark.skip(reason="needs a GPU")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(no_gpu)
-    if config.getoption("markexpr"):
-        return
-    skip = pytest.mark.skip(reason="slow: python -m pytest tests -m slow runs it (CI does)")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)

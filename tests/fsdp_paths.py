@@ -16,12 +16,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from src.export import export_model, load_exported_model  # noqa: E402
-from src.forward import Forward  # noqa: E402
+from src.checkpointing.export import export_model, load_exported_model
+from src.faults.nonfinite import NonFiniteGuard, NonFiniteStep, plain
+from src.faults.preemption import PreemptionWatch
+from src.loop.forward import Forward
 from src.models.gpt import GPT  # noqa: E402
-from src.nonfinite import NonFiniteGuard, NonFiniteStep, plain  # noqa: E402
-from src.objectives import CrossEntropy  # noqa: E402
-from src.preemption import PreemptionWatch  # noqa: E402
+from src.objectives.classification import CrossEntropy
 
 accelerator = Accelerator(cpu=True)
 config = OmegaConf.create({"_target_": "src.models.gpt.GPT", "vocab_size": 50, "block_size": 16, "n_layer": 2,

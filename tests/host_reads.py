@@ -1,6 +1,6 @@
 """Run train.py (same arguments) with the host's reads of tensors watched inside every optimizer step.
 
-A step runs from counting its targets (src/accumulation.py: global_target_count) to Telemetry.step_finished:
+A step runs from counting its targets (src/loop/accumulation.py: global_target_count) to Telemetry.step_finished:
 forward, backward, clipping, the non-finite check, the optimizer and the schedule, the EMA. Logging,
 evaluation and checkpoints come after it. Each rank writes {step: [read, ...]} to $HOST_READS_FILE.<rank>
 after every step: `.item()`, `.tolist()`, `bool()`, `float()`, `int()`, `.cpu()`, `.numpy()` of a tensor, with
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, as for train.py itself
-import src.accumulation  # noqa: E402
-from src.telemetry import Telemetry  # noqa: E402
+import src.loop.accumulation  # noqa: E402
+from src.reporting.telemetry import Telemetry
 
 READS = collections.defaultdict(list)
 STEP = {"current": 0, "inside": False}
@@ -40,7 +40,7 @@ def counted(name: str, original):
 for method in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy"):
     setattr(torch.Tensor, method, counted(method, getattr(torch.Tensor, method)))
 
-global_target_count = src.accumulation.global_target_count
+global_target_count = src.loop.accumulation.global_target_count
 
 
 def step_started(*args, **kwargs):
@@ -64,7 +64,7 @@ def step_ended(self, counted_targets):
         json.dump({step: READS.get(step, []) for step in range(2, STEP["current"] + 1)}, f)
 
 
-src.accumulation.global_target_count = step_started  # train.py imports it by name, after this
+src.loop.accumulation.global_target_count = step_started  # train.py imports it by name, after this
 Telemetry.step_finished = step_ended
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path("train.py", run_name="__main__")

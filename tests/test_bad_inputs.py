@@ -24,9 +24,11 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from src.schema import UsageError, build
+from src.schema.build import build
+from src.schema.complete import complete_config
+from src.schema.errors import UsageError
+from src.schema.hydra_hooks import check_run_dir_can_be_made
 from tests.test_config import compose_train
-from src.config import check_run_dir_can_be_made, complete_config
 
 
 def write(path, content: bytes):
@@ -89,8 +91,8 @@ def test_a_batch_larger_than_the_training_set_is_refused():
 
 
 def test_a_training_set_smaller_than_one_global_batch():
-    from src.accumulation import steps_per_epoch
-    from src.train_state import TrainState
+    from src.loop.accumulation import steps_per_epoch
+    from src.loop.train_state import TrainState
 
     layout = TrainState(batch_size=4, num_processes=2, gradient_accumulation_steps=3)
     with pytest.raises(UsageError, match=r"the training set \(20 samples\) is smaller than one global batch of 24 "
@@ -116,7 +118,7 @@ def test_eval_or_checkpoint_intervals_longer_than_the_run_warn():
 
 
 def test_resume_from_something_that_is_not_a_checkpoint_is_refused(tmp_path):
-    from src.checkpoint import resume_source
+    from src.checkpointing.resume import resume_source
 
     with pytest.raises(UsageError, match=r"resume=.*: not a checkpoint directory"):
         resume_source(str(tmp_path), tmp_path / "run")

@@ -5,10 +5,11 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from src.batches import call_model, logits_of, split_batch
 from src.data.jsonl import IGNORE_INDEX, JsonlData
-from src.objectives import CausalLM, CrossEntropy, MeanSquaredError
-from src.schema import UsageError
+from src.loop.batches import call_model, logits_of, split_batch
+from src.objectives.classification import CausalLM, CrossEntropy
+from src.objectives.regression import MeanSquaredError
+from src.schema.errors import UsageError
 from tests.conftest import ROOT
 
 

@@ -317,7 +317,8 @@ def fsdp_shaped_checkpoint(directory: Path) -> Path:
 
 
 def test_sharded_checkpoint_directories_are_fsynced_and_accepted_and_a_truncated_shard_is_named(tmp_path):
-    from src.checkpoint import _fsync_tree, check_readable
+    from src.checkpointing.integrity import check_readable
+    from src.checkpointing.save import _fsync_tree
 
     checkpoint = fsdp_shaped_checkpoint(tmp_path)
     _fsync_tree(checkpoint)  # opens directories as directories, not as files

@@ -3,9 +3,9 @@
 import torch
 from torch._dynamo.utils import counters
 
-from src.forward import Forward
+from src.loop.forward import Forward
 from src.models.gpt import GPT
-from src.objectives import CausalLM, CrossEntropy
+from src.objectives.classification import CausalLM, CrossEntropy
 
 
 class MappingOutput(GPT):

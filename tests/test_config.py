@@ -9,10 +9,13 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import src.config  # noqa: F401  (registers the base config and resolvers)
-from src.config import TrainerConfig, complete_config
-from src.optim import build_optimizer
-from src.schema import ConfigError, build, locate, schema_of
+import src.schema.hydra_hooks  # noqa: F401  (registers the base config and resolvers)
+from src.optim.optimizers import build_optimizer
+from src.schema.build import build
+from src.schema.complete import complete_config
+from src.schema.errors import ConfigError
+from src.schema.signature import locate, schema_of
+from src.schema.trainer import TrainerConfig
 from tests.conftest import ROOT, run
 
 CONFIG_DIR = ROOT / "config"
@@ -101,7 +104,7 @@ def test_a_model_that_accepts_a_data_size_gets_it_and_one_that_does_not_is_not_g
 
 
 def test_a_data_size_is_resolved_in_nested_model_config_and_saved_resolved():
-    from src.schema import resolve_data_sizes
+    from src.schema.data_sizes import resolve_data_sizes
 
     cfg = complete_config(compose_train(["model=hf_causal_lm"]))
     resolved = resolve_data_sizes(cfg, {"vocab_size": 65})
@@ -122,7 +125,7 @@ def test_accelerate_launch_configs_cover_cpu_ddp_gpus_multi_node_and_fsdp_and_le
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["trainer.max_stepz=5"], "trainer.max_stepz: src.config.TrainerConfig has no parameter 'max_stepz'; did you "
+        (["trainer.max_stepz=5"], "trainer.max_stepz: src.schema.trainer.TrainerConfig has no parameter 'max_stepz'; did you "
                                   "mean trainer.max_steps?"),
         (["trainer.max_steps=many"], "trainer.max_steps=many expected an integer"),
         (["data.level=word"], "data.level=word expected one of [char, byte]"),
@@ -132,7 +135,7 @@ def test_accelerate_launch_configs_cover_cpu_ddp_gpus_multi_node_and_fsdp_and_le
         (["data.batch_size=0"], "data.batch_size=0 is out of range: must be >= 1"),
         (["trainer.gradient_accumulation_steps=0"], "trainer.gradient_accumulation_steps=0 is out of range"),
         (["model.n_layr=3"], "model.n_layr: src.models.gpt.GPT has no parameter 'n_layr'; did you mean model.n_layer?"),
-        (["+objective.foo=1"], "objective.foo: src.objectives.CrossEntropy has no parameter 'foo'"),
+        (["+objective.foo=1"], "objective.foo: src.objectives.classification.CrossEntropy has no parameter 'foo'"),
         (["optimizer.betas=[0.9]"], "optimizer.betas=- 0.9 expected a list of 2 values"),
         (["model._target_=src.models.nope.Model"], "model._target_=src.models.nope.Model: no such module"),
         # item 9's sharp edges
@@ -145,7 +148,7 @@ def test_accelerate_launch_configs_cover_cpu_ddp_gpus_multi_node_and_fsdp_and_le
         (["model=resnet"], "model.num_classes=${dataset:num_classes}, but data=text (src.data.text.TextData) "
                            "provides only: vocab_size"),
         (["objective=mse", "trainer.monitor=eval/accuracy"], "trainer.monitor=eval/accuracy is not a metric "
-                                                             "objective=mse (src.objectives.MeanSquaredError) reports"),
+                                                             "objective=mse (src.objectives.regression.MeanSquaredError) reports"),
         (["data=jsonl"], "data=jsonl gives targets equal to the inputs (Hugging Face's labels convention), which "
                          "objective=cross_entropy does not shift"),
     ],
@@ -158,7 +161,7 @@ def test_bad_value_is_refused_naming_the_key_and_what_is_allowed(overrides, mess
 
 
 @pytest.mark.parametrize("overrides, message", [  # one check within a group, one across groups
-    (["trainer.max_stepz=5"], "trainer.max_stepz: src.config.TrainerConfig has no parameter 'max_stepz'"),
+    (["trainer.max_stepz=5"], "trainer.max_stepz: src.schema.trainer.TrainerConfig has no parameter 'max_stepz'"),
     (["model=resnet"], "but data=text (src.data.text.TextData) provides only: vocab_size"),
 ])
 def test_a_bad_value_stops_a_real_launch_before_its_run_dir_exists(tmp_path, overrides, message):
@@ -205,11 +208,11 @@ def test_python_m_src_schema_prints_every_key_with_its_type_default_and_help():
 
 def test_the_readme_trainer_reference_is_the_schema():
     """README's table of trainer.* keys is generated from TrainerConfig; regenerate it with
-    `python -m src.schema --markdown src.config.TrainerConfig trainer.` when a key changes."""
-    from src.schema import markdown_reference
+    `python -m src.schema --markdown src.schema.trainer.TrainerConfig trainer.` when a key changes."""
+    from src.schema.reference import markdown_reference
 
     readme = (ROOT / "README.md").read_text()
     start, end = "<!-- trainer-reference: start -->\n", "\n<!-- trainer-reference: end -->"
     assert start in readme and end in readme
     table = readme[readme.index(start) + len(start) : readme.index(end)]
-    assert table == markdown_reference("src.config.TrainerConfig", "trainer.")
+    assert table == markdown_reference("src.schema.trainer.TrainerConfig", "trainer.")

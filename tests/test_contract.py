@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY_GPT, QUIET, exported_weights, free_port, max_abs_diff, run, scalars
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, free_port, max_abs_diff, run, scalars
 from tests.test_checkpoint import kill_when
 
 SMALL = [*TINY_GPT, *QUIET, "trainer.max_steps=3", "data.batch_size=4", "trainer.checkpoint_every=0",
@@ -119,7 +119,7 @@ def test_hf_causal_lm_on_padded_documents_learns_and_exports_a_folder_from_pretr
     assert scalars(run_dir, "eval/loss")[40] < 5.0  # ln 256 = 5.55: better than uniform over bytes
 
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "model").eval()
-    from src.export import load_exported_model
+    from src.checkpointing.export import load_exported_model
 
     ours = load_exported_model(run_dir / "model")
     ids = torch.randint(0, 256, (2, 48))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from src.schedule import warmup_cosine
+from src.optim.schedules import warmup_cosine
 from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
 
 ARGS = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.checkpoint_every=1", "trainer.monitor=null",
@@ -179,7 +179,8 @@ def test_a_full_disk_during_a_save_names_the_path_and_leaves_the_previous_checkp
 
     import pytest
 
-    from src.checkpoint import check_readable, complete_checkpoints
+    from src.checkpointing.integrity import check_readable
+    from src.checkpointing.layout import complete_checkpoints
 
     mount = tmp_path / "small_disk"
     mount.mkdir()

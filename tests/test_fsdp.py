@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from src.export import load_exported_model
+from src.checkpointing.export import load_exported_model
 from tests.conftest import GPU_ENV, QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
 
 

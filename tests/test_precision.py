@@ -4,7 +4,7 @@ import logging
 
 from omegaconf import OmegaConf
 
-from src.precision import cpu_bf16_flags, resolve_precision
+from src.launch.precision import cpu_bf16_flags, resolve_precision
 from tests.conftest import QUIET, TINY_GPT, run
 
 XEON = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"

@@ -74,3 +74,56 @@ def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step_with_one_checkpoi
     run([*args_for(stopped, max_steps), "resume=auto"], nproc=2, launcher="torchrun")
     assert scalars(stopped, "train/loss") == scalars(reference, "train/loss")
     assert max_abs_diff(exported_weights(reference), exported_weights(stopped)) == 0
+
+
+def test_ctrl_c_finishes_the_step_saves_and_says_how_to_resume_and_a_second_one_stops_at_once(tmp_path):
+    """As a terminal sends it: SIGINT to the whole process group, the loader's workers included."""
+    from src.checkpointing.layout import complete_checkpoints
+
+    run_dir = tmp_path / "run"
+    # Loader workers, and a stop that waits for the step that logs: the workers must live on after the Ctrl-C.
+    args = [a for a in args_for(run_dir, 100000) if not a.startswith("trainer.log_every")]
+    args += ["data.num_workers=2", "trainer.log_every=8"]
+    proc = subprocess.Popen(launch_command("train.py", 1) + args, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000010").is_dir(), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output[-3000:]
+    assert output.count("Interrupted: finishing the step, saving a checkpoint") == 1  # not the workers too
+    assert "on SIGINT" in output
+    assert f"to continue: the same command with resume=auto hydra.run.dir={run_dir}" in output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    stopped_at = json.loads((run_dir / "summary.json").read_text())["steps"]
+    assert complete_checkpoints(run_dir)[-1].name == f"step_{stopped_at:08d}"
+
+    # The first Ctrl-C now waits for the step that logs (trainer.log_every=1000): a second one comes meanwhile.
+    args[-1] = "trainer.log_every=1000"
+    proc = subprocess.Popen(launch_command("train.py", 1) + args + ["resume=auto"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(lambda: len(complete_checkpoints(run_dir)) > 2, proc)  # resumed and training on
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Interrupted again: stopping now, without saving" in output, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    resumed = run([*args_for(run_dir, 100000)[:-2], "trainer.max_steps=60", f"hydra.run.dir={run_dir}",
+                   "resume=auto"])
+    assert "resumed from" in resumed.stdout  # what the second Ctrl-C left is a resumable run
+
+
+def test_ctrl_c_to_a_two_process_launch_stops_both_ranks_at_one_step_with_one_checkpoint(tmp_path):
+    """The launcher (torch's elastic agent) passes the SIGINT on to its workers; it then reports the signal
+    with a traceback of its own, which is not ours to silence."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(launch_command("train.py", 2) + args_for(run_dir, 100000), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000010").is_dir(), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "on SIGINT" in output and "KeyboardInterrupt" not in output, output[-3000:]
+    stopped_at = json.loads((run_dir / "summary.json").read_text())["steps"]
+    newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    assert newest.name == f"step_{stopped_at:08d}"
+    assert {p.name for p in newest.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}

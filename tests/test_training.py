@@ -7,8 +7,9 @@ import sys
 import torch
 from omegaconf import OmegaConf
 
-from src.checkpoint import complete_checkpoints, load_checkpointed_model, run_config_for
-from src.export import load_exported_model
+from src.checkpointing.export import load_exported_model
+from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
+from src.checkpointing.layout import complete_checkpoints
 from tests.conftest import QUIET, ROOT, TINY_GPT, run, scalars
 
 

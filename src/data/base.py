@@ -1,17 +1,22 @@
 """What every dataset option builds: train/val datasets, their loaders, and the sizes a model may need.
 
 A new dataset is one file: a DataModule subclass whose __init__ signature is its config schema (defaults,
-types and ranges in one place, see src/schema.py), plus `config/data/NAME.yaml` with its `_target_`.
+types and ranges in one place, see src/schema/signature.py), plus `config/data/NAME.yaml` with its `_target_`.
 """
 
+import hashlib
 import inspect
+import signal
+from collections.abc import Mapping, Sized
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from src.schema import Arg, UsageError
+from src.schema.errors import UsageError
+from src.schema.signature import Arg
 
 
 def readable_file(path: str, key: str) -> Path:
@@ -38,6 +43,41 @@ class FirstSamples(Subset):
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
+
+
+def _workers_ignore_ctrl_c(worker_id: int) -> None:
+    # A terminal's Ctrl-C reaches the loader's workers too; the training process stops cleanly on it (finishing
+    # its step and saving, src/faults/preemption.py) and needs its workers until then.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _spread(length: int, count: int) -> list[int]:
+    return sorted({i * length // count for i in range(count)}) if length else []
+
+
+def _digest(items) -> str:
+    """A short hash of samples (tensors, arrays, numbers, strings, nested in tuples, lists or mappings)."""
+    hasher = hashlib.blake2b(digest_size=8)
+
+    def feed(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            item = item.numpy(force=True)
+        if isinstance(item, np.ndarray):
+            hasher.update(f"{item.dtype}{item.shape}".encode())
+            hasher.update(np.ascontiguousarray(item).tobytes())
+        elif isinstance(item, Mapping):
+            for key in sorted(item):
+                hasher.update(str(key).encode())
+                feed(item[key])
+        elif isinstance(item, (list, tuple)):
+            for element in item:
+                feed(element)
+        else:
+            hasher.update(repr(item).encode())
+
+    for item in items:
+        feed(item)
+    return hasher.hexdigest()
 
 
 def model_size(method: Callable) -> property:
@@ -84,6 +124,17 @@ class DataModule:
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.provides()}
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What a checkpoint records of the data it trained on, so that a resume notices other data: the sample
+        counts, the sizes the model depends on, and a hash of evenly spaced samples as the model sees them (a
+        fixed cost however large the data). Extend it with what else identifies your data (a vocabulary)."""
+        found: dict[str, Any] = dict(self.sizes())
+        for name, dataset in (("train", self.train), ("validation", self.val)):
+            if isinstance(dataset, Sized):
+                found[f"{name} samples"] = len(dataset)
+                found[f"{name} sampled content"] = _digest(dataset[i] for i in _spread(len(dataset), 32))
+        return found
+
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         return DataLoader(
             dataset,
@@ -101,6 +152,7 @@ class DataModule:
             # resumed mid-epoch would see different dropout than the run it continues. (The shuffle order
             # comes from accelerate's seedable sampler, which re-seeds this generator from trainer.seed + epoch.)
             generator=torch.Generator() if train else None,
+            worker_init_fn=_workers_ignore_ctrl_c,
         )
 
     def train_dataloader(self) -> DataLoader:

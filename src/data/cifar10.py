@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size
-from src.schema import Arg
+from src.schema.signature import Arg
 
 RECORD_BYTES = 1 + 3 * 32 * 32
 # Per-channel statistics of the real CIFAR-10 training set.

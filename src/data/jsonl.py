@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
-from src.schema import Arg
+from src.schema.signature import Arg
 
 IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)
 

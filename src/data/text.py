@@ -1,5 +1,6 @@
 """Language-model data: a UTF-8 text file (character or byte level) or a pre-tokenized uint16 .bin file."""
 
+import hashlib
 from typing import Annotated, Literal
 
 import numpy as np
@@ -7,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
-from src.schema import Arg
+from src.schema.signature import Arg
 
 
 class TokenWindows(Dataset):
@@ -128,6 +129,13 @@ class TextData(TokenStream):
     @model_size
     def vocab_size(self) -> int:
         return 256 if self.vocab is None else len(self.vocab)
+
+    def fingerprint(self) -> dict:
+        # Other text may map to the same ids: the characters they stand for are part of the data.
+        vocabulary = "bytes" if self.vocab is None else "".join(self.vocab)
+        if len(vocabulary) > 200:
+            vocabulary = hashlib.blake2b(vocabulary.encode(), digest_size=8).hexdigest()
+        return {**super().fingerprint(), "vocabulary": vocabulary}
 
     def decode(self, ids: list[int]) -> str:
         if self.vocab is None:

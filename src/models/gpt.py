@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from src.schema import Arg
+from src.schema.signature import Arg
 
 
 class CausalSelfAttention(nn.Module):

@@ -9,7 +9,8 @@ The export of such a model is also a Hugging Face folder: `AutoModelForCausalLM.
 
 from typing import Annotated, Any
 
-from src.schema import Arg, UsageError
+from src.schema.errors import UsageError
+from src.schema.signature import Arg
 
 # Config fields that bound the sequence length, by the names transformers' architectures use.
 POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")

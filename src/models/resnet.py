@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.schema import Arg
+from src.schema.signature import Arg
 
 
 class BasicBlock(nn.Module):

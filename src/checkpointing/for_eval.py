@@ -1,0 +1,33 @@
+"""A checkpoint's or exported model's config and model, rebuilt without its data (for eval.py)."""
+
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import load_model
+
+from src.checkpointing.integrity import check_readable
+from src.checkpointing.layout import CONFIG_FILE, RUN_CONFIG
+from src.checkpointing.load import model_must_fit
+from src.schema.errors import UsageError
+
+
+def run_config_for(path: Path) -> DictConfig:
+    """The training config that produced an exported model or checkpoint (for eval.py)."""
+    for candidate in (path / CONFIG_FILE, path.parent / RUN_CONFIG, path.parent.parent / RUN_CONFIG):
+        if candidate.is_file():
+            cfg = OmegaConf.load(candidate)
+            if "data" in cfg:
+                return cfg
+    raise UsageError(f"path={path}: no training config found (looked for {CONFIG_FILE} in it and "
+                     f"{RUN_CONFIG} in its run dir)")
+
+
+def load_checkpointed_model(checkpoint: Path, run_cfg: DictConfig) -> torch.nn.Module:
+    """The model of a checkpoint, rebuilt from its run's config alone (data-derived sizes are saved resolved)."""
+    check_readable(checkpoint)
+    model = instantiate(run_cfg.model, _convert_="all")
+    with model_must_fit(checkpoint):
+        load_model(model, checkpoint / "model.safetensors", strict=True)
+    return model.eval()

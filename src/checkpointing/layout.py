@@ -1,0 +1,40 @@
+"""Checkpoints that never lose a run.
+
+Layout of a run directory:
+    checkpoints/step_00000500/    complete checkpoints only (written elsewhere, then renamed into place)
+        model.safetensors, optimizer.bin, scheduler.bin, [scaler.pt], random_states_<rank>.pkl
+                                  (accelerate.save_state; every rank writes its own RNG state)
+        train_state.json          step, epoch, position in the epoch, best metric (ours: JSON, no pickle)
+        run_config.yaml           the resolved config the run was started with
+        data.json                 the data's fingerprint: a resume on other data is refused
+    checkpoints/.tmp-step_.../    a save in progress; never resumed from, removed by the next save
+
+Why not accelerate's own rotation: `ProjectConfiguration(total_limit=K)` deletes old folders before the
+new one is written and nothing is atomic, so a kill during a save can leave no loadable checkpoint.
+"""
+
+import re
+from pathlib import Path
+
+STEP_DIR = re.compile(r"step_(\d+)")
+
+
+STATE_FILE = "train_state.json"
+
+
+CONFIG_FILE = "run_config.yaml"
+DATA_FILE = "data.json"  # the fingerprint of the data trained on (DataModule.fingerprint)
+
+
+RUN_CONFIG = "config.yaml"  # what train.py writes at the top of the run dir
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (a step_N name exists only once its contents do)."""
+    root = run_dir / "checkpoints"
+    found = [p for p in root.glob("step_*") if p.is_dir() and STEP_DIR.fullmatch(p.name)] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))

@@ -1,0 +1,93 @@
+"""Restoring a run from a checkpoint: weights, optimizer, schedule, RNG streams and the data position."""
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import load as safe_load, set_seed
+
+from src.checkpointing.integrity import check_readable
+from src.checkpointing.layout import STATE_FILE
+from src.loop.train_state import TrainState
+from src.schema.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainState, seed: int,
+                    restart_epoch: bool = False) -> None:
+    """Restore model, optimizer, scheduler, scaler, RNG states and counters (after accelerator.prepare).
+
+    `state` holds this launch's layout; the checkpoint may have been written by another one of the same
+    global batch (src/loop/accumulation.py: every step then sees the same samples). `restart_epoch`: the data
+    changed (trainer.resume_with_changed_data), so a position within the epoch means nothing: the next begins.
+    """
+    check_readable(checkpoint)
+    saved = json.loads((checkpoint / STATE_FILE).read_text())
+    same_layout = _check_layout(saved, state, checkpoint)
+    rng_file = checkpoint / f"random_states_{accelerator.process_index}.pkl"
+    if same_layout and not rng_file.is_file():
+        raise UsageError(f"{rng_file} is missing: the random state of rank {accelerator.process_index} cannot be "
+                         "restored, so resuming would not be exact")
+    with model_must_fit(checkpoint):
+        accelerator.load_state(str(checkpoint))  # loads with torch.load(weights_only=True)
+    if same_layout:
+        # accelerate only logs "Could not load random states" at INFO when RNG restore fails: verify it.
+        if not torch.equal(torch.get_rng_state(), safe_load(rng_file)["torch_manual_seed"]):
+            raise RuntimeError(f"the RNG state in {rng_file} was not restored; resuming would not be exact")
+    elif not rng_file.is_file():  # a rank the writing run did not have: its own stream, not rank 0's copy
+        set_seed(seed + 1_000_003 * (saved["step"] + 1) + accelerator.process_index)
+    state.load_state_dict({key: value for key, value in saved.items() if key in POSITION_KEYS})
+    if restart_epoch and state.samples_into_epoch:
+        state.epoch, state.samples_into_epoch = state.epoch + 1, 0
+    log.info("resumed from %s at step %d (epoch %d, %d samples in)", checkpoint, state.step, state.epoch,
+             state.samples_into_epoch)
+
+
+POSITION_KEYS = ("step", "epoch", "samples_into_epoch", "best_metric", "best_step", "early_stopping_best",
+                 "evals_without_improvement")
+
+
+def _check_layout(saved: dict, state: TrainState, checkpoint: Path) -> bool:
+    """Whether the checkpoint was written on this launch's layout; refuses another global batch."""
+    written = TrainState(**{key: saved[key] for key in ("batch_size", "num_processes", "gradient_accumulation_steps")})
+    if written.global_batch != state.global_batch:
+        per_micro_step = state.batch_size * state.num_processes
+        keep = (f"trainer.gradient_accumulation_steps={written.global_batch // per_micro_step} keeps it on "
+                f"{state.num_processes} process(es)" if written.global_batch % per_micro_step == 0 else
+                f"no accumulation keeps it with data.batch_size={state.batch_size} on {state.num_processes} "
+                f"process(es): choose data.batch_size x processes x trainer.gradient_accumulation_steps = "
+                f"{written.global_batch}")
+        raise UsageError(
+            f"Cannot resume {checkpoint} with another global batch: it was trained with {written.global_batch} "
+            f"samples per optimizer step ({written.layout()}), this launch has {state.global_batch} "
+            f"({state.layout()}). {keep}."
+        )
+    if (written.batch_size, written.num_processes) == (state.batch_size, state.num_processes):
+        return True
+    log.warning(
+        "resume: the checkpoint was written with %s, this launch has %s. The global batch is the same, so every "
+        "optimizer step sees the same samples as it would have; randomness drawn per process (dropout, "
+        "augmentation from the global RNG) continues statistically, not bitwise, the same.",
+        written.layout(), state.layout())
+    return False
+
+
+@contextlib.contextmanager
+def model_must_fit(checkpoint: Path):
+    """torch's size-mismatch or missing-key error, as one paragraph naming the checkpoint and the tensors."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "Error(s) in loading state_dict" not in str(error):
+            raise
+        details = [line.strip().rstrip(".") for line in str(error).splitlines()[1:] if line.strip()]
+        raise UsageError(
+            f"checkpoint {checkpoint} does not fit the model its config builds: {'; '.join(details[:3])}"
+            + (f" (and {len(details) - 3} more)" if len(details) > 3 else "")
+            + ". The model's code has changed since the checkpoint was written: resume with the code that wrote it "
+            "(its commit), or start a new run."
+        ) from None

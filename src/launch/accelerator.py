@@ -1,0 +1,91 @@
+"""The Accelerator of a run, and the process-wide torch settings that go with it."""
+
+import logging
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
+from accelerate.utils import GradientAccumulationPlugin
+from omegaconf import DictConfig
+
+from src.launch.checks import check_gpus_per_node, check_process_count, check_same_run_dir
+from src.launch.settings import LaunchSettings, needs_cpu_flag
+from src.launch.shutdown import exit_with_the_launcher
+from src.reporting.trackers import trackers_for
+
+log = logging.getLogger(__name__)
+
+
+def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Path) -> Accelerator:
+    if torch.cuda.is_available():  # before the Accelerator starts NCCL
+        check_gpus_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    if trainer.deterministic:
+        use_deterministic_kernels()  # before CUDA is touched: cuBLAS reads its workspace setting once
+    accelerator = Accelerator(
+        cpu=needs_cpu_flag(),
+        # Explicit values win over the launcher's ACCELERATE_* variables: launch_settings has merged the two.
+        mixed_precision=settings.mixed_precision.value,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=settings.gradient_accumulation_steps.value,
+            # The loop cuts each epoch at whole global batches (src/loop/accumulation.py), before the loader's end,
+            # so every optimizer step averages exactly gradient_accumulation_steps full micro-batches.
+            sync_with_dataloader=False,
+        ),
+        # A seedable sampler makes the shuffle order a function of (seed, epoch): what mid-epoch resume needs.
+        # non_blocking: batches copy to the GPU asynchronously from pinned memory (see src/data/base.py).
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=torch.cuda.is_available()),
+        # train.py steps the LR schedule once per optimizer step itself; accelerate's default would step it
+        # num_processes times per update.
+        step_scheduler_with_optimizer=False,
+        log_with=trackers_for(list(trainer.trackers), trainer.tracker_project, run_dir),
+        project_dir=str(run_dir),
+        kwargs_handlers=[
+            InitProcessGroupKwargs(timeout=timedelta(seconds=trainer.dist_timeout_s)),
+            DistributedDataParallelKwargs(
+                find_unused_parameters=trainer.ddp_find_unused_parameters, static_graph=trainer.ddp_static_graph,
+                bucket_cap_mb=trainer.ddp_bucket_cap_mb, gradient_as_bucket_view=trainer.ddp_gradient_as_bucket_view),
+        ],
+    )
+    if accelerator.device.type == "cuda" and trainer.tf32:  # Ampere and later: ~8x fp32 matmul throughput
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if trainer.cuda_memory_fraction is not None:
+        if accelerator.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(trainer.cuda_memory_fraction, accelerator.device)
+        else:
+            log.info("trainer.cuda_memory_fraction=%s ignored: this process runs on %s", trainer.cuda_memory_fraction,
+                     accelerator.device.type)
+    quiet_other_ranks(accelerator)
+    check_process_count(accelerator, settings.requested_processes)
+    check_same_run_dir(accelerator, run_dir)
+    use_cpu_threads(accelerator, trainer.cpu_threads)
+    exit_with_the_launcher(accelerator.is_main_process)
+    return accelerator
+
+
+def use_deterministic_kernels() -> None:
+    """What PyTorch's reproducibility notes ask for. Seeds are not the issue: the shuffle, the loader
+    workers' seeds, dropout and augmentation already follow trainer.seed (bitwise on CPU without this);
+    on GPUs, atomics-based kernels (scatter_add, some convolutions' backward) and cuDNN's autotuner are."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
+def quiet_other_ranks(accelerator: Accelerator) -> None:
+    # accelerate logs every file of every save at INFO; src/checkpointing/save.py logs one line per save instead.
+    logging.getLogger("accelerate").setLevel(logging.WARNING)
+    if not accelerator.is_main_process:  # their INFO lines would repeat rank 0's; warnings and errors stay
+        logging.getLogger().setLevel(logging.WARNING)
+
+
+def use_cpu_threads(accelerator: Accelerator, threads: int | None) -> None:
+    """accelerate's launcher exports OMP_NUM_THREADS=1, which leaves all but one core idle on CPU."""
+    if accelerator.device.type != "cpu":
+        return
+    # Under SLURM the allocation, not the machine, says how many cores are ours (CPU binding may be off):
+    # oversubscribed threads make CPU reductions nondeterministic, and DDP replicas then drift apart.
+    cores = int(os.environ.get("SLURM_CPUS_PER_TASK", 0)) or (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    torch.set_num_threads(threads or max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))

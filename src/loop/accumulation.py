@@ -1,0 +1,104 @@
+"""Gradient accumulation whose loss is exact however a global batch is split into micro-batches and processes.
+
+The loss of one optimizer step is the sum of the per-target loss over every counted target of the global
+batch, divided by the global batch's count (tokens that are not padding, samples, ...). A mean per
+micro-batch would weight a target in a short micro-batch more than one in a long micro-batch (the bug
+transformers fixed in #34191). So the loop takes a whole accumulation window of micro-batches first,
+counts its targets on every rank (one all-reduce, no host sync), and scales each micro-batch's loss sum by
+K x W / count: `accelerator.backward` divides by K (accumulation steps) and DDP averages over W (ranks).
+This is the recipe of accelerate's guide "Gradient accumulation on training samples of variable size".
+"""
+
+import itertools
+import logging
+from collections.abc import Sized
+from typing import Iterator, Optional
+
+import torch
+from accelerate import Accelerator
+
+from src.data.base import FirstSamples
+from src.loop.train_state import TrainState
+from src.objectives.base import Objective
+from src.schema.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+
+def steps_per_epoch(dataset, global_batch: int, layout: str) -> Optional[int]:
+    """Optimizer steps in one epoch: whole global batches only (None for a dataset without a length).
+
+    Step s of an epoch then takes samples [s*G, (s+1)*G) of the epoch's shuffle order on every layout of the
+    same global batch G: accelerate shards the sampler's batches round-robin over processes, so micro-step k
+    of process r holds batch (s*K + k)*P + r. That is what lets a run resume on another number of processes.
+    The tail of fewer than G samples is left to later epochs' shuffles, as drop_last does on one process.
+    """
+    if not isinstance(dataset, Sized):
+        return None
+    steps = len(dataset) // global_batch
+    if steps == 0:
+        raise UsageError(
+            f"the training set ({len(dataset)} samples) is smaller than one global batch of {global_batch} "
+            f"samples ({layout}): lower data.batch_size or trainer.gradient_accumulation_steps, or use more data"
+        )
+    return steps
+
+
+def fit_run_to_data(data, trainer, layout: TrainState) -> tuple[Optional[int], int]:
+    """The optimizer steps of one epoch, after trainer.limit_train_batches has bounded the training set, and
+    the run's length in optimizer steps (trainer.max_epochs counted in steps), before the config's values
+    that follow it (the LR schedule's length) are resolved."""
+    if trainer.limit_train_batches is not None:
+        data.train = FirstSamples(data.train, trainer.limit_train_batches * layout.global_batch)
+    epoch_steps = steps_per_epoch(data.train, layout.global_batch, layout.layout())
+    if trainer.max_epochs is None:
+        return epoch_steps, trainer.max_steps
+    if epoch_steps is None:
+        raise UsageError("trainer.max_epochs needs a training set with a length (this one is iterable only): "
+                         "use trainer.max_steps")
+    log.info("trainer.max_epochs=%d: %d optimizer steps", trainer.max_epochs, trainer.max_epochs * epoch_steps)
+    return epoch_steps, trainer.max_epochs * epoch_steps
+
+
+def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, max_steps: int, accumulation: int,
+                         epoch_steps: Optional[int]) -> Iterator[list]:
+    """Lists of `accumulation` micro-batches, one per optimizer step, `epoch_steps` per epoch, until
+    max_steps, starting where `state` says.
+
+    The shuffle order is a function of (seed, epoch) (accelerate's seedable sampler, set_epoch before
+    iterating), so skipping the samples already consumed continues an interrupted epoch exactly. The
+    position is counted in samples of all processes together, so it means the same on any layout.
+    """
+    per_micro_step = loader.total_batch_size  # samples all processes take in one micro-step
+    while state.step < max_steps:
+        loader.set_epoch(state.epoch)
+        if hasattr(loader.dataset, "set_epoch"):  # accelerate forwards it only for some sampler layouts
+            loader.dataset.set_epoch(state.epoch)
+        done_steps = state.samples_into_epoch // (per_micro_step * accumulation)
+        remaining = itertools.count() if epoch_steps is None else range(epoch_steps - done_steps)
+        epoch_loader = accelerator.skip_first_batches(loader, done_steps * accumulation) if done_steps else loader
+        batches = iter(epoch_loader)
+        for _ in remaining:
+            window = list(itertools.islice(batches, accumulation))
+            if len(window) < accumulation:  # a dataset without a length ended: its partial window waits
+                break
+            state.samples_into_epoch += per_micro_step * accumulation
+            yield window
+            if state.step >= max_steps:
+                return
+        epoch_loader.end()  # an epoch cut at whole global batches never reaches the loader's own end
+        state.epoch += 1
+        state.samples_into_epoch = 0
+
+
+def global_target_count(accelerator: Accelerator, objective: Objective, window_targets: list) -> torch.Tensor:
+    """How many targets the whole global batch of this optimizer step counts, on every rank."""
+    local = sum(objective.count(targets) for targets in window_targets)
+    local = torch.as_tensor(local, device=accelerator.device).float()
+    return accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
+
+
+def loss_for_backward(accelerator: Accelerator, loss_sum: torch.Tensor, global_count: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's share of the step's loss, pre-multiplied by what backward and DDP divide by."""
+    scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+    return loss_sum * scale / global_count.clamp(min=1)  # a window of only ignored targets adds no gradient

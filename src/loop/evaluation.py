@@ -1,0 +1,34 @@
+"""Evaluation whose metrics are exact across processes: every validation sample counted exactly once."""
+
+from collections import defaultdict
+
+import torch
+from accelerate import Accelerator
+
+from src.loop.batches import split_batch
+from src.loop.forward import Forward
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, forward: Forward) -> dict[str, float]:
+    """Each metric the objective reports, averaged over the whole validation set with its own weights (samples
+    or tokens), and how many samples that was.
+
+    Per-sample sums and weights go through `gather_for_metrics`, which drops the samples accelerate duplicated
+    to even out the last batch across ranks (a per-batch mean would silently keep one rank's value there).
+    """
+    was_training = model.training
+    model.eval()
+    # Summed in float64 on the CPU: exact enough that 1 and N processes agree to ~1e-12, and MPS has no float64.
+    sums, weights, samples = defaultdict(float), defaultdict(float), 0
+    for batch in loader:
+        inputs, targets = split_batch(batch, forward.objective.target_key)
+        per_sample = accelerator.gather_for_metrics(forward.metrics(model, inputs, targets))
+        for name, (values, weight) in per_sample.items():
+            sums[name] += values.cpu().double().sum().item()
+            weights[name] += weight.cpu().double().sum().item()
+        samples += len(next(iter(per_sample.values()))[0])
+    model.train(was_training)
+    # A metric with nothing to average over (e.g. every target ignored) is NaN, not a flattering 0.
+    return {**{name: sums[name] / weights[name] if weights[name] else float("nan") for name in sums},
+            "samples": samples}

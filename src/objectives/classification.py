@@ -1,0 +1,66 @@
+"""Cross-entropy over classes, and its language-model form (targets shifted by one)."""
+
+from typing import Annotated, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from src.objectives.base import Objective, PerSample
+from src.schema.errors import UsageError
+from src.schema.signature import Arg
+
+
+class CrossEntropy(Objective):
+    """Class or next-token targets given by the data: logits (..., C) against targets (...).
+    Targets equal to `ignore_index` count for nothing."""
+
+    metric_names = ("loss", "accuracy")
+
+    def __init__(self, ignore_index: Annotated[int, Arg("target value that counts for nothing")] = -100, **base):
+        super().__init__(**base)
+        self.ignore_index = ignore_index
+
+    def aligned(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return logits, targets
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        return (self.aligned(None, targets)[1] != self.ignore_index).sum()
+
+    def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, targets = self.aligned(logits, targets)
+        # fp32 whatever the autocast dtype: a bf16 log-softmax over a large vocabulary loses the loss's digits.
+        return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=self.ignore_index,
+                               reduction="sum")
+
+    def metrics(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, PerSample]:
+        logits, targets = self.aligned(logits, targets)
+        counted = targets != self.ignore_index
+        loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=self.ignore_index,
+                               reduction="none").view(targets.shape)
+        correct = (logits.argmax(-1) == targets) & counted
+        dims = tuple(range(1, targets.dim()))
+        per_sample = (lambda t: t.sum(dims)) if dims else (lambda t: t)
+        weight = per_sample(counted.float())
+        return {"loss": (per_sample(loss), weight), "accuracy": (per_sample(correct.float()), weight)}
+
+    def check_batch(self, inputs: Mapping, targets: torch.Tensor) -> None:
+        ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else None
+        if self.shifts_targets or ids is None or ids.shape != targets.shape:
+            return
+        counted = targets != self.ignore_index  # padding is -100 in the labels, a pad id in the inputs
+        if counted.any() and torch.equal(ids[counted], targets[counted]):
+            raise UsageError(
+                "The batch's targets equal its input_ids: Hugging Face's convention, where the loss shifts them "
+                "by one. objective=cross_entropy does not shift, so the model would learn to copy its input. "
+                "Use objective=causal_lm."
+            )
+
+
+class CausalLM(CrossEntropy):
+    """Hugging Face's convention: `labels` aligned with `input_ids`; position t predicts label t+1.
+    Labels equal to `ignore_index` (-100: padding, prompts) count for nothing."""
+
+    shifts_targets = True
+
+    def aligned(self, logits, targets):
+        return (None if logits is None else logits[..., :-1, :]), targets[..., 1:]

@@ -1,0 +1,113 @@
+"""The one build step: everything train.py decides before its loop, decided in one place.
+
+A run's config is only final once what it depends on is known, in this order: the checkpoint it resumes
+(whose saved config wins), the launcher (precision, accumulation), the data (its sizes; epochs counted in
+optimizer steps) and the memory (auto micro-batch). `build_run` takes these decisions one after the other,
+building the Accelerator, the data, the model and the objective on the way, and returns them as one frozen
+`Run` whose config is complete, resolved and read-only: what config.yaml and every checkpoint record.
+"""
+
+import copy
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from omegaconf import DictConfig, OmegaConf
+
+from src.checkpointing.resume import check_same_data, config_for_resume, resume_source
+from src.data.base import DataModule
+from src.faults.run_dir_lock import acquire_run_dir
+from src.launch.accelerator import build_accelerator
+from src.launch.settings import LaunchSettings, Setting, launch_settings
+from src.loop.accumulation import fit_run_to_data
+from src.loop.auto_batch import find_micro_batch
+from src.loop.sync_batchnorm import sync_batchnorm
+from src.loop.train_state import TrainState
+from src.objectives.base import Objective
+from src.reporting.log_filters import hide_tied_weight_notices
+from src.schema.build import build
+from src.schema.complete import complete_config
+from src.schema.data_sizes import resolve_data_sizes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Run:
+    cfg: DictConfig  # complete, resolved, read-only
+    run_dir: Path
+    checkpoint: Optional[Path]  # the checkpoint this run continues from; None for a fresh start
+    launch: LaunchSettings  # precision and accumulation in effect, each with where it came from (the banner)
+    accelerator: Accelerator
+    data: DataModule  # its batch_size is the micro-batch in effect
+    model: torch.nn.Module  # not yet prepared
+    objective: Objective
+    epoch_steps: Optional[int]  # optimizer steps per epoch; None for a dataset without a length
+    data_fingerprint: dict  # what every checkpoint records of the data (DataModule.fingerprint)
+    data_changed: bool  # the checkpoint was trained on other data, and trainer.resume_with_changed_data allows it
+
+    @property
+    def trainer(self) -> DictConfig:
+        return self.cfg.trainer
+
+    def train_state(self) -> TrainState:
+        """Where a fresh run starts, on this run's layout (a resume then loads the checkpoint's position)."""
+        return TrainState(batch_size=self.cfg.data.batch_size, num_processes=self.accelerator.num_processes,
+                          gradient_accumulation_steps=self.trainer.gradient_accumulation_steps)
+
+
+def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
+    """`overrides`: the command line's (Hydra's task overrides), which a resume compares with its checkpoint."""
+    cfg = complete_config(cfg)  # every default filled in from the signatures, every value checked
+    if int(os.environ.get("RANK", "0")) == 0:  # one live run per run dir: before anything of it is read or written
+        requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0  # may wait for its previous instance
+        acquire_run_dir(run_dir, cfg.trainer.run_dir_lease_s, requeued)
+    checkpoint = resume_source(cfg.resume, run_dir)  # refuses to write into another run's directory
+    if checkpoint:
+        cfg = config_for_resume(cfg, checkpoint, overrides)
+    launch = launch_settings(cfg.trainer)  # precision and accumulation: from the config or the launcher
+    cfg = with_values(cfg, {"trainer.mixed_precision": launch.mixed_precision.value,  # recorded as in effect
+                            "trainer.gradient_accumulation_steps": launch.gradient_accumulation_steps.value})
+    # Its collectives hold every rank here until all have checked the run dir above, before rank 0 writes.
+    accelerator = build_accelerator(cfg.trainer, launch, run_dir)
+    set_seed(cfg.trainer.seed)
+
+    # The data first: the model config may use sizes only the data knows (${dataset:vocab_size}).
+    data = build(cfg.data, group="data")
+    fingerprint = data.fingerprint()
+    data_changed = bool(checkpoint) and check_same_data(checkpoint, fingerprint, cfg.trainer.resume_with_changed_data)
+    layout = TrainState(batch_size=data.batch_size, num_processes=accelerator.num_processes,
+                        gradient_accumulation_steps=cfg.trainer.gradient_accumulation_steps)
+    epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout)  # whole global batches; epochs -> steps
+    cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
+    model = build(cfg.model, group="model")
+    hide_tied_weight_notices(model)  # accelerate's "Removed shared tensor" at every save, for the model's own ties
+    if cfg.trainer.sync_batchnorm:
+        model = sync_batchnorm(model, accelerator)
+    objective = build(cfg.objective, group="objective")
+
+    if cfg.trainer.auto_micro_batch and not checkpoint:  # a resumed run keeps the micro-batch its config records
+        per_process = data.batch_size * cfg.trainer.gradient_accumulation_steps
+        micro_batch = find_micro_batch(accelerator, model, objective, data, per_process)
+        accumulation = per_process // micro_batch  # the global batch is unchanged
+        cfg = with_values(cfg, {"data.batch_size": micro_batch, "trainer.gradient_accumulation_steps": accumulation})
+        launch = replace(launch, gradient_accumulation_steps=Setting(accumulation, "auto micro-batch: largest that fits"))
+        data.batch_size = micro_batch  # the loaders are built from it
+        accelerator.gradient_accumulation_steps = accumulation
+        log.info("auto micro-batch: %d samples per process x %d micro-steps", micro_batch, accumulation)
+    OmegaConf.set_readonly(cfg, True)
+    return Run(cfg, run_dir, checkpoint, launch, accelerator, data, model, objective, epoch_steps, fingerprint,
+               data_changed)
+
+
+def with_values(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:
+    """A copy of the config with these full keys set: the config given is left as it was."""
+    cfg = copy.deepcopy(cfg)
+    for key, value in values.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg

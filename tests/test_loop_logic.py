@@ -1,0 +1,155 @@
+"""The loop's pure logic, in process: what improves, when early stopping stops, the LR schedules, which
+samples each optimizer step takes (and takes again after a resume), and which overrides a resume accepts."""
+
+import math
+
+import pytest
+import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.state import AcceleratorState, GradientState
+from omegaconf import OmegaConf
+from torch.utils.data import DataLoader
+
+from src.checkpointing.resume import config_for_resume
+from src.loop.accumulation import accumulation_windows, steps_per_epoch
+from src.loop.early_stopping import EarlyStopping
+from src.loop.train_state import TrainState, improves
+from src.optim.schedules import constant, warmup_cosine
+from src.schema.errors import UsageError
+
+
+@pytest.mark.parametrize("value, best, mode, min_delta, expected", [
+    (1.0, None, "min", 0.0, True),  # anything beats nothing yet
+    (0.9, 1.0, "min", 0.0, True),
+    (1.0, 1.0, "min", 0.0, False),  # equal is not better
+    (0.95, 1.0, "min", 0.05, False),  # by more than min_delta, not by exactly it
+    (0.94, 1.0, "min", 0.05, True),
+    (1.1, 1.0, "max", 0.0, True),
+    (0.9, 1.0, "max", 0.0, False),
+    (math.nan, None, "min", 0.0, False),  # a NaN never becomes the best, not even the first
+    (-math.inf, 1.0, "min", 0.0, False),
+])
+def test_improves_means_better_by_more_than_min_delta_and_never_a_non_finite_value(value, best, mode, min_delta,
+                                                                                   expected):
+    assert improves(value, best, mode, min_delta) is expected
+
+
+def test_early_stopping_counts_evaluations_without_improvement_and_a_resumed_state_stays_stopped():
+    stopper, state = EarlyStopping("eval/loss", "min", patience=2, min_delta=0.0), TrainState()
+    assert not stopper.should_stop({"eval/loss": 1.0}, state)
+    assert not stopper.should_stop(None, state)  # a step without evaluation counts nothing
+    assert not stopper.should_stop({"eval/loss": 1.2}, state) and state.evals_without_improvement == 1
+    assert not stopper.should_stop({"eval/loss": 0.8}, state) and state.evals_without_improvement == 0
+    assert not stopper.should_stop({"eval/loss": math.nan}, state)
+    assert stopper.should_stop({"eval/loss": 0.8}, state)  # the second in a row that does not beat 0.8
+    assert "did not improve on 0.8 by more than 0 for 2 evaluations" in stopper.reason(state)
+    resumed = TrainState()
+    resumed.load_state_dict(state.state_dict())
+    assert stopper.already_stopped(resumed)
+    assert not EarlyStopping("eval/loss", "min", None, 0.0).should_stop({"eval/loss": 9.0}, state)  # off
+
+
+def multipliers(schedule, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        out.append(schedule.get_last_lr()[0])
+        schedule.optimizer.step()
+        schedule.step()
+    return out
+
+
+def test_warmup_cosine_rises_linearly_then_decays_to_its_floor_at_total_steps_and_stays_there():
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    lrs = multipliers(warmup_cosine(optimizer, total_steps=14, warmup_steps=4, min_lr_ratio=0.1), 20)
+    assert lrs[:5] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+    assert lrs[9] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # halfway down
+    assert all(a > b for a, b in zip(lrs[4:14], lrs[5:14]))
+    assert lrs[14:] == pytest.approx([0.1] * 6)
+
+
+def test_constant_schedule_warms_up_then_holds_the_optimizer_lr():
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+    assert multipliers(constant(optimizer, warmup_steps=2), 4) == pytest.approx([0.25, 0.5, 0.5, 0.5])
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+    assert multipliers(constant(optimizer), 2) == pytest.approx([0.5, 0.5])
+
+
+@pytest.fixture(scope="module")
+def accelerator():
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    yield accelerator
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+SAMPLES = 40
+
+
+def step_samples(accelerator, batch_size: int, accumulation: int, state: TrainState, max_steps: int) -> list:
+    """The samples each optimizer step takes, from where `state` is, and the position after each step."""
+    loader = accelerator.prepare(DataLoader(list(range(SAMPLES)), batch_size=batch_size, shuffle=True))
+    global_batch = batch_size * accumulation
+    epoch_steps = steps_per_epoch(loader.dataset, global_batch, "layout")
+    out = []
+    for window in accumulation_windows(accelerator, loader, state, max_steps, accumulation, epoch_steps):
+        state.step += 1
+        out.append((sorted(torch.cat(window).tolist()), (state.epoch, state.samples_into_epoch)))
+    return out
+
+
+def test_each_epoch_takes_whole_global_batches_of_one_shuffle_and_the_next_epoch_reshuffles(accelerator):
+    steps = step_samples(accelerator, 2, 3, TrainState(), max_steps=12)  # 6 steps of 6 samples per epoch
+    epochs = [[s for s, _ in steps[:6]], [s for s, _ in steps[6:]]]
+    for epoch in epochs:
+        taken = [i for samples in epoch for i in samples]
+        assert len(taken) == len(set(taken)) == 36  # the 4 left over wait for a later epoch's shuffle
+    assert epochs[0] != epochs[1]
+    assert [position for _, position in steps[5:7]] == [(0, 36), (1, 6)]
+
+
+@pytest.mark.parametrize("stopped_after", [1, 4, 6, 9])
+def test_a_run_resumed_from_its_position_takes_the_samples_the_uninterrupted_run_took(accelerator, stopped_after):
+    whole = step_samples(accelerator, 2, 3, TrainState(), max_steps=12)
+    epoch, samples_into_epoch = whole[stopped_after - 1][1]
+    resumed = TrainState(step=stopped_after, epoch=epoch, samples_into_epoch=samples_into_epoch)
+    assert step_samples(accelerator, 2, 3, resumed, max_steps=12) == whole[stopped_after:]
+
+
+def test_another_split_of_the_same_global_batch_takes_the_same_samples_at_every_step(accelerator):
+    assert ([s for s, _ in step_samples(accelerator, 3, 2, TrainState(), 12)]
+            == [s for s, _ in step_samples(accelerator, 2, 3, TrainState(), 12)])
+
+
+def test_a_training_set_smaller_than_one_global_batch_is_refused_with_the_keys_to_change():
+    with pytest.raises(UsageError, match=r"smaller than one global batch of 64 samples .*data.batch_size"):
+        steps_per_epoch(list(range(40)), 64, "data.batch_size=64 x 1 process(es)")
+
+
+def saved_run(tmp_path, **trainer):
+    cfg = OmegaConf.create({"resume": None, "model": {"_target_": "m.M", "width": 8},
+                            "data": {"batch_size": 4, "num_workers": 0},
+                            "trainer": {"max_steps": 10, "max_epochs": None, "lr_unused": 1, "log_every": 5,
+                                        "mixed_precision": "no", "gradient_accumulation_steps": 1, **trainer}})
+    checkpoint = tmp_path / "step_00000010"
+    checkpoint.mkdir()
+    OmegaConf.save(cfg, checkpoint / "run_config.yaml")
+    return cfg, checkpoint
+
+
+def test_resume_takes_safe_overrides_refuses_others_and_ignores_defaults_edited_since(tmp_path):
+    saved, checkpoint = saved_run(tmp_path)
+    now = OmegaConf.merge(saved, {"trainer": {"max_steps": 20, "log_every": 1}, "model": {"width": 16}})
+    resumed = config_for_resume(now, checkpoint, ["trainer.max_steps=20"])
+    assert resumed.trainer.max_steps == 20  # named on the command line and safe: taken
+    assert resumed.trainer.log_every == 5 and resumed.model.width == 8  # not named: the checkpoint's values
+    with pytest.raises(UsageError, match=r"model.width=16 \(the checkpoint has 8\)"):
+        config_for_resume(now, checkpoint, ["model.width=16"])
+    with pytest.raises(UsageError, match=r"model.width=16"):  # a name the config lacks may change anything
+        config_for_resume(now, checkpoint, ["experiment=bigger"])
+
+
+def test_resume_in_steps_replaces_a_length_in_epochs(tmp_path):
+    saved, checkpoint = saved_run(tmp_path, max_epochs=3)
+    resumed = config_for_resume(OmegaConf.merge(saved, {"trainer": {"max_steps": 50}}), checkpoint,
+                                ["trainer.max_steps=50"])
+    assert (resumed.trainer.max_steps, resumed.trainer.max_epochs) == (50, None)

@@ -1,0 +1,60 @@
+"""A checkpoint records the data it was trained on; a resume on other data is refused unless asked for."""
+
+import json
+import logging
+
+import pytest
+
+from src.checkpointing.layout import DATA_FILE
+from src.checkpointing.resume import check_same_data
+from src.data.text import TextData
+from src.schema.errors import UsageError
+from tests.conftest import QUIET, TINY_GPT, run
+
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400))
+
+
+def text_data(path, text: str) -> TextData:
+    path.write_text(text)
+    return TextData(path=str(path), block_size=16)
+
+
+def test_the_fingerprint_is_stable_and_changes_with_the_content_the_samples_or_the_vocabulary(tmp_path):
+    file = tmp_path / "t.txt"
+    same = text_data(file, TEXT).fingerprint()
+    assert text_data(file, TEXT).fingerprint() == same
+    edited = text_data(file, TEXT.replace("lazy", "hazy")).fingerprint()  # same length, other text
+    assert edited["train sampled content"] != same["train sampled content"]
+    assert text_data(file, TEXT + TEXT).fingerprint()["train samples"] > same["train samples"]
+    assert text_data(file, TEXT.upper()).fingerprint()["vocabulary"] != same["vocabulary"]
+
+
+def test_a_resume_on_other_data_is_refused_naming_what_changed_unless_accepted(tmp_path, caplog):
+    checkpoint = tmp_path / "step_00000010"
+    checkpoint.mkdir()
+    saved = text_data(tmp_path / "t.txt", TEXT).fingerprint()
+    (checkpoint / DATA_FILE).write_text(json.dumps(saved))
+    assert check_same_data(checkpoint, saved, accept_changed=False) is False
+    other = text_data(tmp_path / "t.txt", TEXT.replace("lazy", "hazy")).fingerprint()
+    with pytest.raises(UsageError, match=r"(?s)not what it was trained on:\n  train sampled content: '[0-9a-f]+' -> "
+                                         r"'[0-9a-f]+'.*trainer.resume_with_changed_data=true"):
+        check_same_data(checkpoint, other, accept_changed=False)
+    with caplog.at_level(logging.WARNING):
+        assert check_same_data(checkpoint, other, accept_changed=True) is True
+    assert "continuing from an epoch boundary" in caplog.text
+
+
+def test_a_run_resumed_after_its_training_file_was_replaced_stops_before_training_and_changes_nothing(tmp_path):
+    data, run_dir = tmp_path / "data.txt", tmp_path / "run"
+    data.write_text(TEXT)
+    args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.checkpoint_every=5", f"data.path={data}",
+            f"hydra.run.dir={run_dir}"]
+    run(args + ["trainer.max_steps=5"])
+    data.write_text(TEXT.replace("fox", "cat"))
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    refused = run(args + ["trainer.max_steps=10", "resume=auto"], check=False)
+    assert refused.returncode == 1 and "the data is not what it was trained on" in refused.stdout, refused.stdout[-3000:]
+    assert "Traceback" not in refused.stdout
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    accepted = run(args + ["trainer.max_steps=10", "resume=auto", "trainer.resume_with_changed_data=true"])
+    assert "continuing from an epoch boundary" in accepted.stdout and "(epoch 1, 0 samples in)" in accepted.stdout

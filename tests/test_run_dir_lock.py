@@ -1,0 +1,133 @@
+"""One live run per run directory: a second launch is refused naming the holder; a holder that died is taken over."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from src.faults.run_dir_lock import LOCK_FILE, RunDirInUse, acquire_run_dir, release_run_dirs
+from tests.conftest import QUIET, ROOT, TINY_GPT, launch_command, run
+
+
+@pytest.fixture(autouse=True)
+def let_go():
+    yield
+    release_run_dirs()
+
+
+def holder_file(run_dir, host: str, pid: int, age_s: float = 0.0, job: str | None = None):
+    lock = run_dir / LOCK_FILE
+    lock.write_text(json.dumps({"host": host, "pid": pid, "since": "2026-11-23T10:00:00", "job": job, "token": "t"}))
+    then = time.time() - age_s
+    os.utime(lock, (then, then))
+    return lock
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_a_live_holder_is_refused_by_name_and_released_at_the_end(tmp_path):
+    lock = acquire_run_dir(tmp_path, lease_s=60)
+    with pytest.raises(RunDirInUse, match=rf"in use by a live run: pid {os.getpid()} on {os.uname().nodename}.*"
+                                          r"hydra.run.dir"):
+        acquire_run_dir(tmp_path, lease_s=60)
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    acquire_run_dir(tmp_path, lease_s=60)
+
+
+def test_a_holder_whose_process_is_gone_is_taken_over_with_a_warning(tmp_path, caplog):
+    pid = dead_pid()
+    holder_file(tmp_path, os.uname().nodename, pid)
+    with caplog.at_level(logging.WARNING):
+        acquire_run_dir(tmp_path, lease_s=60)
+    assert f"took over the lock of pid {pid}" in caplog.text and "is gone" in caplog.text
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert [p.name for p in tmp_path.iterdir()] == [LOCK_FILE]  # the stale one set aside is removed
+
+
+def test_another_hosts_holder_blocks_while_its_heartbeat_is_fresh_and_is_taken_over_after_the_lease(tmp_path):
+    holder_file(tmp_path, "node-17", 4242, age_s=5, job="981")
+    with pytest.raises(RunDirInUse, match=r"pid 4242 on node-17, SLURM job 981, since 2026-11-23T10:00:00, "
+                                          r"heartbeat 5 s ago"):
+        acquire_run_dir(tmp_path, lease_s=60)
+    holder_file(tmp_path, "node-17", 4242, age_s=61)
+    acquire_run_dir(tmp_path, lease_s=60)
+
+
+def test_a_requeued_job_waits_up_to_one_lease_for_its_previous_instance(tmp_path):
+    holder_file(tmp_path, "node-17", 4242, age_s=0)
+    started = time.monotonic()
+    with pytest.raises(RunDirInUse):
+        acquire_run_dir(tmp_path, lease_s=2)  # not requeued: at once
+    assert time.monotonic() - started < 1
+    acquire_run_dir(tmp_path, lease_s=2, requeued=True)  # the holder's heartbeat stops: taken over after ~2 s
+    assert 1.5 < time.monotonic() - started < 10
+
+
+def test_the_holder_touches_its_lock_and_never_removes_another_holders(tmp_path):
+    lock = acquire_run_dir(tmp_path, lease_s=0.4)
+    path = tmp_path / LOCK_FILE
+    os.utime(path, (0, 0))
+    time.sleep(0.3)
+    assert time.time() - path.stat().st_mtime < 1  # the heartbeat renewed it
+    holder_file(tmp_path, "node-17", 4242)  # taken over by another launch meanwhile
+    lock.release()
+    assert json.loads(path.read_text())["host"] == "node-17"
+
+
+def test_of_launches_racing_for_one_directory_exactly_one_wins(tmp_path):
+    for attempt in range(50):
+        run_dir = tmp_path / str(attempt)
+        run_dir.mkdir()
+        holder_file(run_dir, os.uname().nodename, dead_pid())  # both also race for the takeover
+        start, outcomes = threading.Barrier(2), []
+
+        def take():
+            start.wait()
+            try:
+                acquire_run_dir(run_dir, lease_s=60)
+                outcomes.append("won")
+            except RunDirInUse:
+                outcomes.append("refused")
+
+        threads = [threading.Thread(target=take) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(outcomes) == ["refused", "won"]
+        release_run_dirs()
+
+
+def test_a_second_launch_into_a_live_run_is_refused_fresh_or_resuming_and_a_killed_holder_is_resumed(tmp_path):
+    from tests.test_preemption import wait_for
+
+    run_dir = tmp_path / "run"
+    args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.checkpoint_every=5", f"hydra.run.dir={run_dir}"]
+    holder = subprocess.Popen(launch_command("train.py", 1) + args + ["trainer.max_steps=100000"], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "step_00000005").is_dir(), holder)
+        config = (run_dir / "config.yaml").read_bytes()
+        for extra in (["optimizer.lr=0.1"], ["resume=auto"]):
+            second = run(args + ["trainer.max_steps=10", *extra], check=False)
+            assert second.returncode == 1, second.stdout[-3000:]
+            assert f"is in use by a live run: pid {holder.pid} on {os.uname().nodename}" in second.stdout
+            assert "Traceback" not in second.stdout
+        assert (run_dir / "config.yaml").read_bytes() == config
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+    resumed = run(args + ["resume=auto", "trainer.max_steps=12"])
+    assert f"took over the lock of pid {holder.pid}" in resumed.stdout and "is gone" in resumed.stdout
+    assert "resumed from" in resumed.stdout
+    assert not (run_dir / LOCK_FILE).exists()  # let go at the end
