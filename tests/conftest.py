@@ -139,3 +139,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(no_gpu)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The chaos tests' account: each kill's moment and the optimizer steps it cost."""
+    for report in terminalreporter.getreports("passed"):
+        for name, kills in report.user_properties:
+            if name == "chaos":
+                terminalreporter.write_line(f"{report.nodeid}: {len(kills)} kills")
+                for kill in kills:
+                    terminalreporter.write_line("  " + ", ".join(f"{k} {v}" for k, v in kill.items()))

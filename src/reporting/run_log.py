@@ -30,9 +30,9 @@ def start_run_log(accelerator: Accelerator, cfg: DictConfig, run_dir: Path, bann
         logging.getLogger().addHandler(handler)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         log.info("\n%s", banner)
-    # purge_step: after a resume TensorBoard drops the events a killed run wrote past the checkpoint,
-    # so its curves have no duplicated steps.
-    accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": {"purge_step": first_step + 1 if first_step else None}})
+    # purge_step: after a resume TensorBoard drops the events a killed run wrote past the checkpoint, so its
+    # curves have no duplicated steps; also on a fresh start (resume=auto before any checkpoint was complete).
+    accelerator.init_trackers("tensorboard", init_kwargs={"tensorboard": {"purge_step": first_step + 1}})
     remember_run_ids(accelerator, list(cfg.trainer.trackers), run_dir)
     # TensorBoard gets the YAML as text below; the others, params, once: a resumed run continues the
     # tracker's run, whose params are fixed (MLflow refuses to change one, e.g. an extended max_steps).

@@ -1,0 +1,83 @@
+"""Never lose a run: SIGKILL at many moments (a step, an evaluation, a save, an export), `resume=auto` after each,
+and the run ends with the weights and losses of a run never interrupted. The kills and the work each one lost
+(optimizer steps logged after the newest checkpoint) are reported at the end of the test session."""
+
+import os
+import random
+import signal
+import subprocess
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from src.checkpointing.layout import complete_checkpoints
+from tests.conftest import ROOT, TINY_GPT, exported_weights, launch_command, max_abs_diff, run, scalars
+
+# Where a kill lands: the first moment this marker shows, or (None) a random moment of the launch.
+MARKERS = {"save": "checkpoints/.tmp-step_*", "export": ".tmp-model*", "random": None}
+
+
+def args_for(run_dir, max_steps: int) -> list[str]:
+    return [*TINY_GPT, "model.dropout=0.1", "data.batch_size=4", "trainer.gradient_accumulation_steps=2",
+            f"trainer.max_steps={max_steps}", "trainer.log_every=1", "trainer.eval_every=6", "trainer.eval_batches=4",
+            "trainer.checkpoint_every=4", "trainer.monitor=eval/loss", f"hydra.run.dir={run_dir}"]
+
+
+def kill_at(proc: subprocess.Popen, run_dir, marker: str | None, rng: random.Random, timeout: float = 120) -> bool:
+    """SIGKILL the whole launch when `marker` appears (or at a random moment); False if it ended first."""
+    deadline = time.monotonic() + (rng.uniform(3, 12) if marker is None else timeout)
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        if marker is not None and any(run_dir.glob(marker)):
+            break
+        time.sleep(0.002)
+    else:
+        if marker is not None:
+            raise AssertionError(f"{marker} never appeared")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return True
+
+
+def chaos(tmp_path, nproc: int, phases: list[str], seed: int, max_steps: int) -> list[dict]:
+    reference, run_dir = tmp_path / "uninterrupted", tmp_path / "killed"
+    run(args_for(reference, max_steps), nproc=nproc)
+    rng, kills = random.Random(seed), []
+    for phase in [*phases, "finish"]:
+        proc = subprocess.Popen(launch_command("train.py", nproc) + args_for(run_dir, max_steps) + ["resume=auto"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        if phase == "finish":
+            assert proc.wait(timeout=300) == 0, "the last resume failed"
+            break
+        if not kill_at(proc, run_dir, MARKERS[phase], rng):
+            assert proc.returncode == 0
+            break  # the run finished before this kill: nothing left to interrupt
+        saved = complete_checkpoints(run_dir)
+        logged = max(scalars(run_dir, "train/loss"), default=0) if (run_dir / "tensorboard").exists() else 0
+        newest = int(saved[-1].name.split("_")[1]) if saved else 0
+        kills.append({"phase": phase, "step reached": logged, "resumes from": newest, "steps lost": logged - newest})
+    assert scalars(run_dir, "train/loss") == scalars(reference, "train/loss")
+    assert max_abs_diff(exported_weights(reference), exported_weights(run_dir)) == 0
+    best = [load_file(directory / "model_best" / "model.safetensors") for directory in (reference, run_dir)]
+    assert max_abs_diff(*best) == 0
+    assert not list(run_dir.glob("checkpoints/.tmp-*")) and not list(run_dir.glob(".tmp-*"))
+    return kills
+
+
+def test_a_run_killed_during_a_save_a_step_and_an_export_ends_as_if_never_killed(tmp_path, record_property):
+    kills = chaos(tmp_path, 1, ["save", "random", "export"], seed=1, max_steps=30)
+    record_property("chaos", kills)
+    assert [k["phase"] for k in kills] == ["save", "random", "export"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_run_killed_many_times_at_random_moments_ends_as_if_never_killed(tmp_path, record_property, nproc):
+    rng = random.Random(nproc)
+    phases = [rng.choice(list(MARKERS)) for _ in range(8)]
+    kills = chaos(tmp_path, nproc, phases, seed=nproc, max_steps=80)
+    record_property("chaos", kills)
+    assert len(kills) >= 4
