@@ -96,7 +96,8 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
         micro_batch = find_micro_batch(accelerator, model, objective, data, per_process)
         accumulation = per_process // micro_batch  # the global batch is unchanged
         cfg = with_values(cfg, {"data.batch_size": micro_batch, "trainer.gradient_accumulation_steps": accumulation})
-        launch = replace(launch, gradient_accumulation_steps=Setting(accumulation, "auto micro-batch: largest that fits"))
+        fits = Setting(accumulation, "auto micro-batch: largest that fits")
+        launch = replace(launch, gradient_accumulation_steps=fits)
         data.batch_size = micro_batch  # the loaders are built from it
         accelerator.gradient_accumulation_steps = accumulation
         log.info("auto micro-batch: %d samples per process x %d micro-steps", micro_batch, accumulation)

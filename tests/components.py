@@ -73,3 +73,11 @@ class NaNWhenEvaluating(GPT):
     def forward(self, input_ids, attention_mask=None):
         logits = super().forward(input_ids, attention_mask)
         return logits if self.training else logits * float("nan")
+
+
+class WithUnusedHead(GPT):
+    """The GPT with a trainable layer its forward never uses: under DDP it gets no gradient."""
+
+    def __init__(self, **gpt):
+        super().__init__(**gpt)
+        self.unused_head = torch.nn.Linear(4, 4)

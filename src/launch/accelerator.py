@@ -10,6 +10,7 @@ from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataPara
 from accelerate.utils import GradientAccumulationPlugin
 from omegaconf import DictConfig
 
+from src.faults.distributed_errors import port_in_use
 from src.launch.checks import check_gpus_per_node, check_process_count, check_same_run_dir
 from src.launch.settings import LaunchSettings, needs_cpu_flag
 from src.launch.shutdown import exit_with_the_launcher
@@ -23,31 +24,36 @@ def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Pa
         check_gpus_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     if trainer.deterministic:
         use_deterministic_kernels()  # before CUDA is touched: cuBLAS reads its workspace setting once
-    accelerator = Accelerator(
-        cpu=needs_cpu_flag(),
-        # Explicit values win over the launcher's ACCELERATE_* variables: launch_settings has merged the two.
-        mixed_precision=settings.mixed_precision.value,
-        gradient_accumulation_plugin=GradientAccumulationPlugin(
-            num_steps=settings.gradient_accumulation_steps.value,
-            # The loop cuts each epoch at whole global batches (src/loop/accumulation.py), before the loader's end,
-            # so every optimizer step averages exactly gradient_accumulation_steps full micro-batches.
-            sync_with_dataloader=False,
-        ),
-        # A seedable sampler makes the shuffle order a function of (seed, epoch): what mid-epoch resume needs.
-        # non_blocking: batches copy to the GPU asynchronously from pinned memory (see src/data/base.py).
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=torch.cuda.is_available()),
-        # train.py steps the LR schedule once per optimizer step itself; accelerate's default would step it
-        # num_processes times per update.
-        step_scheduler_with_optimizer=False,
-        log_with=trackers_for(list(trainer.trackers), trainer.tracker_project, run_dir),
-        project_dir=str(run_dir),
-        kwargs_handlers=[
-            InitProcessGroupKwargs(timeout=timedelta(seconds=trainer.dist_timeout_s)),
-            DistributedDataParallelKwargs(
-                find_unused_parameters=trainer.ddp_find_unused_parameters, static_graph=trainer.ddp_static_graph,
-                bucket_cap_mb=trainer.ddp_bucket_cap_mb, gradient_as_bucket_view=trainer.ddp_gradient_as_bucket_view),
-        ],
-    )
+    try:
+        accelerator = Accelerator(
+            cpu=needs_cpu_flag(),
+            # Explicit values win over the launcher's ACCELERATE_* variables: launch_settings has merged the two.
+            mixed_precision=settings.mixed_precision.value,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=settings.gradient_accumulation_steps.value,
+                # The loop cuts each epoch at whole global batches (src/loop/accumulation.py), before the loader's end,
+                # so every optimizer step averages exactly gradient_accumulation_steps full micro-batches.
+                sync_with_dataloader=False,
+            ),
+            # A seedable sampler makes the shuffle order a function of (seed, epoch): what mid-epoch resume needs.
+            # non_blocking: batches copy to the GPU asynchronously from pinned memory (see src/data/base.py).
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
+                                                      non_blocking=torch.cuda.is_available()),
+            # train.py steps the LR schedule once per optimizer step itself; accelerate's default would step it
+            # num_processes times per update.
+            step_scheduler_with_optimizer=False,
+            log_with=trackers_for(list(trainer.trackers), trainer.tracker_project, run_dir),
+            project_dir=str(run_dir),
+            kwargs_handlers=[
+                InitProcessGroupKwargs(timeout=timedelta(seconds=trainer.dist_timeout_s)),
+                DistributedDataParallelKwargs(
+                    find_unused_parameters=trainer.ddp_find_unused_parameters, static_graph=trainer.ddp_static_graph,
+                    bucket_cap_mb=trainer.ddp_bucket_cap_mb,
+                    gradient_as_bucket_view=trainer.ddp_gradient_as_bucket_view),
+            ],
+        )
+    except torch.distributed.DistNetworkError as error:  # env:// launches: this process listens on the port
+        raise port_in_use(error, os.environ.get("MASTER_PORT"), os.environ.get("MASTER_ADDR")) or error from None
     if accelerator.device.type == "cuda" and trainer.tf32:  # Ampere and later: ~8x fp32 matmul throughput
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if trainer.cuda_memory_fraction is not None:

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from src.faults.distributed_errors import unused_parameters
 from src.loop.batches import call_model
 from src.objectives.base import Objective
 
@@ -27,11 +28,17 @@ from src.objectives.base import Objective
 class Forward:
     def __init__(self, objective: Objective, compile: bool):
         self.objective = objective
-        self.loss_sum = torch.compile(self._loss_sum) if compile else self._loss_sum
+        self._train_step = torch.compile(self._loss_sum) if compile else self._loss_sum
         self._compiled_metrics = torch.compile(self._metrics) if compile else None
 
-    def _loss_sum(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    def loss_sum(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """The training loss summed over this micro-batch's counted targets (see src/objectives/base.py)."""
+        try:
+            return self._train_step(model, inputs, targets)
+        except RuntimeError as error:  # DDP reports parameters without gradients here, at the next forward
+            raise unused_parameters(error, model) or error
+
+    def _loss_sum(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         return self.objective.loss_sum(call_model(model, inputs), targets)
 
     def _metrics(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> dict:

@@ -1,0 +1,30 @@
+"""Distributed failures that are the user's to fix end with one message in our words, naming the key to change."""
+
+import socket
+
+from tests.conftest import QUIET, TINY_GPT, run
+
+
+def test_a_parameter_without_gradient_under_ddp_is_named_with_the_key_that_allows_it(tmp_path):
+    args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=3",
+            "model._target_=tests.components.WithUnusedHead"]
+    failed = run([*args, f"hydra.run.dir={tmp_path / 'strict'}"], nproc=2, check=False)
+    assert failed.returncode != 0
+    assert "these got none (rank 0): unused_head.weight, unused_head.bias" in failed.stdout, failed.stdout[-4000:]
+    assert "trainer.ddp_find_unused_parameters=true" in failed.stdout
+    assert "Expected to have finished reduction" not in failed.stdout  # torch's wording, and its find_unused_parameters
+    run([*args, "trainer.ddp_find_unused_parameters=true", f"hydra.run.dir={tmp_path / 'allowed'}"], nproc=2)
+
+
+def test_a_main_port_in_use_is_named_with_the_ways_to_choose_another(tmp_path):
+    """An env:// launch (srun tasks, a hand-set MASTER_ADDR/MASTER_PORT): rank 0 is the one that listens."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}
+        failed = run([*TINY_GPT, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"], check=False, env=env)
+    assert failed.returncode == 1
+    assert f"the main port {port} on 127.0.0.1 is already in use" in failed.stdout, failed.stdout[-3000:]
+    assert "--master_port for torchrun" in failed.stdout and "Traceback" not in failed.stdout
