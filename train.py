@@ -76,7 +76,7 @@ def main(cfg: DictConfig) -> float | None:
     preemption = PreemptionWatch()
     guard = NonFiniteGuard(accelerator, optimizer, scheduler, ema, trainer.nonfinite, trainer.max_consecutive_skips,
                            run_dir, preemption)
-    hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s)
+    hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s, accelerator.num_processes)
     early_stopping = EarlyStopping(trainer.monitor, trainer.monitor_mode, trainer.early_stopping_patience,
                                    trainer.early_stopping_min_delta)
 

@@ -105,7 +105,7 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
 
     run_dir = tmp_path / "run"
     args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=100000", "trainer.checkpoint_every=5",
-            "trainer.hang_report_s=1", "trainer.dist_timeout_s=5", f"hydra.run.dir={run_dir}"]
+            "trainer.hang_report_s=4", "trainer.dist_timeout_s=10", f"hydra.run.dir={run_dir}"]
     proc = subprocess.Popen(launch_command("train.py", 2, "torchrun") + args, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     stopped = None
@@ -117,7 +117,7 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
         started = time.monotonic()
         while os.path.exists(f"/proc/{rank0}") and time.monotonic() - started < 90:
             time.sleep(0.2)
-        # Rank 0 ended by itself: the collective timeout (5 s), not a 30-minute wait. torchrun then gives the
+        # Rank 0 ended by itself: the collective timeout (10 s), not a 30-minute wait. torchrun then gives the
         # stopped rank a fixed 30 s to act on SIGTERM, which it cannot; end it now instead.
         assert not os.path.exists(f"/proc/{rank0}"), "rank 0 is still waiting"
         assert time.monotonic() - started < 60
@@ -128,6 +128,7 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
         report = output.split("HANG? rank 0", 1)[1]
         assert "Thread MainThread:" in report and 'train.py", line' in report  # where rank 0 waits
         assert "HANG? rank 1" not in output  # the stopped rank says nothing: that is how it shows
+        assert f"Not answering: rank 1 (pid {stopped} on {os.uname().nodename}: last finished step" in report
     finally:
         if stopped:
             try:

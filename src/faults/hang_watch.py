@@ -4,9 +4,14 @@ nothing, which is how it shows; the others typically wait in a collective (all-r
 `trainer.dist_timeout_s` ends the job with an error. Without this the job would sit silently until then.
 
 A daemon thread does the watching: collectives release the GIL while they wait, so it runs while the main
-thread is blocked. Cost when nothing hangs: one timestamp per step.
+thread is blocked. Cost when nothing hangs: one timestamp per step, and on several processes one small write
+to the launch's key-value store per second from that thread.
+
+Through that store each rank's watcher tells the others its last finished step and that it is still alive, so
+a report also names the ranks that stopped answering and the step each last finished.
 """
 
+import json
 import logging
 import os
 import socket
@@ -19,8 +24,9 @@ log = logging.getLogger(__name__)
 
 
 class HangWatch:
-    def __init__(self, rank: int, report_after_s: float):
-        self.rank, self.report_after_s = rank, report_after_s
+    def __init__(self, rank: int, report_after_s: float, world_size: int = 1):
+        self.rank, self.report_after_s, self.world_size = rank, report_after_s, world_size
+        self.store = _launch_store() if world_size > 1 else None
         self.last_beat: float | None = None  # armed by the first beat
         self.step = 0
         self.reported = False
@@ -36,7 +42,9 @@ class HangWatch:
         self.last_beat, self.step, self.reported = time.monotonic(), step, False
 
     def _watch(self) -> None:
+        self._tell_the_others()
         while not self.stopped.wait(min(1.0, self.report_after_s / 4)):
+            self._tell_the_others()
             if self.last_beat is None or self.reported:
                 continue
             stalled = time.monotonic() - self.last_beat
@@ -53,5 +61,42 @@ class HangWatch:
             stacks.append(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
         return (f"HANG? rank {self.rank} (pid {os.getpid()} on {socket.gethostname()}): no optimizer step finished "
                 f"for {stalled:.0f} s after step {self.step} (trainer.hang_report_s={self.report_after_s:g}). "
-                f"A rank that prints no such report is the one that stopped. Stacks of this rank's threads:\n"
-                + "\n".join(stacks))
+                f"A rank that prints no such report is the one that stopped.{self._others()} Stacks of this rank's "
+                f"threads:\n" + "\n".join(stacks))
+
+    def _tell_the_others(self) -> None:
+        if self.store is None:
+            return
+        news = {"step": self.step, "pid": os.getpid(), "host": socket.gethostname(), "heard": time.time()}
+        try:
+            self.store.set(f"hang_watch/{self.rank}", json.dumps(news))
+        except Exception:  # noqa: BLE001 (the store's host may be gone: the report then says less)
+            self.store = None
+
+    def _others(self) -> str:
+        """The ranks that stopped answering, with the step each last finished."""
+        if self.store is None:
+            return ""
+        silent = []
+        for rank in range(self.world_size):
+            key = f"hang_watch/{rank}"
+            try:
+                news = json.loads(self.store.get(key)) if self.store.check([key]) else None
+            except Exception:  # noqa: BLE001
+                return ""
+            if news is None:
+                silent.append(f"rank {rank} (never heard from)")
+            elif time.time() - news["heard"] > max(3 * min(1.0, self.report_after_s / 4), 2.0):  # missed 3 beats
+                silent.append(f"rank {rank} (pid {news['pid']} on {news['host']}: last finished step {news['step']}, "
+                              f"silent for {time.time() - news['heard']:.0f} s)")
+        return f" Not answering: {'; '.join(silent)}." if silent else " Every rank still answers."
+
+
+def _launch_store():
+    """The key-value store every rank of the launch reaches (torch's default process group store)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 (no process group: a single process)
+        return None
