@@ -23,6 +23,7 @@ import src.schema.hydra_hooks  # noqa: F401  (registers the base config and the 
 from src.checkpointing.export import export_model
 from src.checkpointing.load import load_checkpoint
 from src.checkpointing.save import Checkpointer
+from src.faults.distributed_errors import lost_ranks_in_our_words
 from src.faults.hang_watch import HangWatch
 from src.faults.nonfinite import NonFiniteGuard, plain
 from src.faults.preemption import PreemptionWatch, requeue_slurm_job
@@ -48,6 +49,11 @@ log = logging.getLogger("train")
 
 @hydra.main(config_path="config", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
+    with lost_ranks_in_our_words(cfg.trainer.get("dist_timeout_s")):  # which rank stopped, not gloo's traceback
+        return train(cfg)
+
+
+def train(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if in_submitit_slurm_job():  # hydra/launcher=submitit_slurm: this node starts its training processes
         return launch_this_node(run_dir)

@@ -129,6 +129,10 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
         assert "Thread MainThread:" in report and 'train.py", line' in report  # where rank 0 waits
         assert "HANG? rank 1" not in output  # the stopped rank says nothing: that is how it shows
         assert f"Not answering: rank 1 (pid {stopped} on {os.uname().nodename}: last finished step" in report
+        # The end, in our words: which rank, not gloo's RuntimeError and a traceback of the loop.
+        assert "A collective operation ended without every rank" in output
+        assert f"trainer.dist_timeout_s=10 s passed. Not answering: rank 1 (pid {stopped}" in output
+        assert "RuntimeError: [" not in output
     finally:
         if stopped:
             try:

@@ -1,10 +1,14 @@
 """torch's distributed failures that are a user's to fix, said in this template's words: what is wrong, and
 the key that changes it, instead of a traceback that names torch's keywords."""
 
+import contextlib
 import re
 from typing import Optional
 
 import torch
+from hydra.errors import CompactHydraException
+
+from src.faults.hang_watch import silent_ranks
 
 from src.launch.checks import LaunchError
 from src.schema.errors import UsageError
@@ -38,3 +42,29 @@ def port_in_use(error: Exception, port: Optional[str], host: Optional[str]) -> O
         "(MASTER_PORT=... for srun or other env:// launches, --main_process_port for accelerate launch, "
         "--master_port for torchrun, MAIN_PORT for slurm/train_multi_node.sbatch)."
     )
+
+
+# What gloo and NCCL say when a collective ends without every rank: a timeout, or a peer whose process is gone.
+LOST_PEER_SIGNS = ("Timed out waiting", "timed out", "Connection closed by peer", "Connection reset by peer",
+                   "Watchdog caught collective operation timeout", "NCCL communicator was aborted")
+
+
+class DistributedFailure(CompactHydraException):
+    """The run ended because another rank did: printed as its message alone (Hydra), exit status 1."""
+
+
+@contextlib.contextmanager
+def lost_ranks_in_our_words(timeout_s: Optional[float]):
+    """A collective that ended without every rank: which ranks stopped answering and what each last finished,
+    instead of gloo's or NCCL's error and a traceback of the loop."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not any(sign in str(error) for sign in LOST_PEER_SIGNS):
+            raise
+        lost = silent_ranks() or "the rank that logged no HANG? report above is the one"
+        raise DistributedFailure(
+            f"A collective operation ended without every rank ({str(error).strip().splitlines()[0]}): another rank "
+            f"stopped answering or died, and trainer.dist_timeout_s={timeout_s} s passed. Not answering: {lost}. "
+            "The newest complete checkpoint resumes with resume=auto once every rank runs again."
+        ) from None

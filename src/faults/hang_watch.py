@@ -23,10 +23,14 @@ import traceback
 log = logging.getLogger(__name__)
 
 
+_WATCHING: list["HangWatch"] = []  # the run's watch, for an error raised outside the loop (silent_ranks)
+
+
 class HangWatch:
     def __init__(self, rank: int, report_after_s: float, world_size: int = 1):
         self.rank, self.report_after_s, self.world_size = rank, report_after_s, world_size
         self.store = _launch_store() if world_size > 1 else None
+        _WATCHING[:] = [self]
         self.last_beat: float | None = None  # armed by the first beat
         self.step = 0
         self.reported = False
@@ -36,6 +40,7 @@ class HangWatch:
     def stop(self) -> None:
         """The run is over (the next job of an in-process sweep must not be reported as this one's hang)."""
         self.stopped.set()
+        _WATCHING.clear()
 
     def beat(self, step: int) -> None:
         """The loop made progress (a step finished, or its evaluation and checkpoint)."""
@@ -74,7 +79,11 @@ class HangWatch:
             self.store = None
 
     def _others(self) -> str:
-        """The ranks that stopped answering, with the step each last finished."""
+        silent = self.silent()
+        return f" Not answering: {silent}." if silent else (" Every rank still answers." if self.store else "")
+
+    def silent(self) -> str:
+        """The ranks that stopped answering, with the step each last finished ("" if none, or unknown)."""
         if self.store is None:
             return ""
         silent = []
@@ -89,7 +98,7 @@ class HangWatch:
             elif time.time() - news["heard"] > max(3 * min(1.0, self.report_after_s / 4), 2.0):  # missed 3 beats
                 silent.append(f"rank {rank} (pid {news['pid']} on {news['host']}: last finished step {news['step']}, "
                               f"silent for {time.time() - news['heard']:.0f} s)")
-        return f" Not answering: {'; '.join(silent)}." if silent else " Every rank still answers."
+        return "; ".join(silent)
 
 
 def _launch_store():
@@ -100,3 +109,8 @@ def _launch_store():
         return _get_default_store()
     except Exception:  # noqa: BLE001 (no process group: a single process)
         return None
+
+
+def silent_ranks() -> str:
+    """What the run's watch knows of ranks that stopped answering ("" when nothing, or no watch)."""
+    return _WATCHING[0].silent() if _WATCHING else ""
