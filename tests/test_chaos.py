@@ -25,12 +25,14 @@ def args_for(run_dir, max_steps: int) -> list[str]:
 
 
 def kill_at(proc: subprocess.Popen, run_dir, marker: str | None, rng: random.Random, timeout: float = 120) -> bool:
-    """SIGKILL the whole launch when `marker` appears (or at a random moment); False if it ended first."""
+    """SIGKILL the whole launch when `marker` appears (or at a random moment); False if it ended first. What an
+    earlier kill left behind (a .tmp- directory) counts only once this launch makes it anew."""
     deadline = time.monotonic() + (rng.uniform(3, 12) if marker is None else timeout)
+    left = {path: path.stat().st_mtime_ns for path in run_dir.glob(marker)} if marker else {}
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
-        if marker is not None and any(run_dir.glob(marker)):
+        if marker is not None and any(left.get(path) != _mtime(path) for path in run_dir.glob(marker)):
             break
         time.sleep(0.002)
     else:
@@ -39,6 +41,13 @@ def kill_at(proc: subprocess.Popen, run_dir, marker: str | None, rng: random.Ran
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     return True
+
+
+def _mtime(path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
 
 
 def chaos(tmp_path, nproc: int, phases: list[str], seed: int, max_steps: int) -> list[dict]:

@@ -123,6 +123,7 @@ def test_ctrl_c_to_a_two_process_launch_stops_both_ranks_at_one_step_with_one_ch
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "on SIGINT" in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert output.count("Interrupted: finishing the step") == 1  # rank 0 says it, for the run
     stopped_at = json.loads((run_dir / "summary.json").read_text())["steps"]
     newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     assert newest.name == f"step_{stopped_at:08d}"

@@ -32,7 +32,7 @@ from src.schema.errors import UsageError
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository: src/launch/ is two levels down
 SUBMITIT_SLURM = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
 
 
