@@ -97,11 +97,13 @@ def test_ctrl_c_finishes_the_step_saves_and_says_how_to_resume_and_a_second_one_
     stopped_at = json.loads((run_dir / "summary.json").read_text())["steps"]
     assert complete_checkpoints(run_dir)[-1].name == f"step_{stopped_at:08d}"
 
-    # The first Ctrl-C now waits for the step that logs (trainer.log_every=1000): a second one comes meanwhile.
-    args[-1] = "trainer.log_every=1000"
+    # The first Ctrl-C now waits for step 1000, the next that logs or saves: a second one comes meanwhile.
+    args = [a for a in args if not a.startswith(("trainer.log_every", "trainer.checkpoint_every"))]
+    args += ["trainer.log_every=1000", "trainer.checkpoint_every=1000"]
     proc = subprocess.Popen(launch_command("train.py", 1) + args + ["resume=auto"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    wait_for(lambda: len(complete_checkpoints(run_dir)) > 2, proc)  # resumed and training on
+    wait_for(lambda: (run_dir / "train.log").read_text().count("deterministic kernels") == 2, proc)  # its banner
+    time.sleep(1)  # training on
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGINT)
