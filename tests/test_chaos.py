@@ -90,3 +90,9 @@ def test_a_run_killed_many_times_at_random_moments_ends_as_if_never_killed(tmp_p
     kills = chaos(tmp_path, nproc, phases, seed=nproc, max_steps=80)
     record_property("chaos", kills)
     assert len(kills) >= 4
+
+
+def test_a_kill_during_the_export_of_the_best_model_is_redone_by_the_resume(tmp_path):
+    """The only evaluation is the last step's, so nothing later would export the best model again."""
+    kills = chaos(tmp_path, 1, ["export"], seed=0, max_steps=6)
+    assert [(k["phase"], k["resumes from"]) for k in kills] == [("export", 4)]

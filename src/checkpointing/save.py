@@ -39,8 +39,11 @@ class Checkpointer:
                       stopping: bool = False) -> None:
         """Every rank calls this after every optimizer step, with the step's evaluation metrics if any."""
         if metrics is not None and self._improved(metrics, state):
-            self.save(state)
+            # The export first: a kill between the two then resumes from an earlier checkpoint, whose best is
+            # older, so this step improves again and exports again. The other way round, a checkpoint that
+            # already records this step as the best would never redo an export the kill cut short.
             self.export(self.run_dir / "model_best")
+            self.save(state)
         if self.saves_at(state.step) or stopping:
             self.save(state)
 
