@@ -27,8 +27,16 @@ def args_for(run_dir, max_steps: int) -> list[str]:
 def kill_at(proc: subprocess.Popen, run_dir, marker: str | None, rng: random.Random, timeout: float = 120) -> bool:
     """SIGKILL the whole launch when `marker` appears (or at a random moment); False if it ended first. What an
     earlier kill left behind (a .tmp- directory) counts only once this launch makes it anew."""
-    deadline = time.monotonic() + (rng.uniform(3, 12) if marker is None else timeout)
+    deadline = time.monotonic() + timeout
     left = {path: path.stat().st_mtime_ns for path in run_dir.glob(marker)} if marker else {}
+    if marker is None:  # a random moment of the training itself, after this launch's start-up (its banner)
+        banners = _banners(run_dir)
+        while _banners(run_dir) == banners:
+            if proc.poll() is not None:
+                return False
+            assert time.monotonic() < deadline, "the launch never started training"
+            time.sleep(0.01)
+        deadline = time.monotonic() + rng.uniform(0, 1.5)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
@@ -41,6 +49,11 @@ def kill_at(proc: subprocess.Popen, run_dir, marker: str | None, rng: random.Ran
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     return True
+
+
+def _banners(run_dir) -> int:
+    log = run_dir / "train.log"
+    return log.read_text().count("deterministic kernels") if log.exists() else 0
 
 
 def _mtime(path) -> int | None:
@@ -77,7 +90,7 @@ def chaos(tmp_path, nproc: int, phases: list[str], seed: int, max_steps: int) ->
 
 
 def test_a_run_killed_during_a_save_a_step_and_an_export_ends_as_if_never_killed(tmp_path, record_property):
-    kills = chaos(tmp_path, 1, ["save", "random", "export"], seed=1, max_steps=30)
+    kills = chaos(tmp_path, 1, ["save", "random", "export"], seed=1, max_steps=100)
     record_property("chaos", kills)
     assert [k["phase"] for k in kills] == ["save", "random", "export"]
 
@@ -87,7 +100,7 @@ def test_a_run_killed_during_a_save_a_step_and_an_export_ends_as_if_never_killed
 def test_a_run_killed_many_times_at_random_moments_ends_as_if_never_killed(tmp_path, record_property, nproc):
     rng = random.Random(nproc)
     phases = [rng.choice(list(MARKERS)) for _ in range(8)]
-    kills = chaos(tmp_path, nproc, phases, seed=nproc, max_steps=80)
+    kills = chaos(tmp_path, nproc, phases, seed=nproc, max_steps=200)
     record_property("chaos", kills)
     assert len(kills) >= 4
 
