@@ -54,6 +54,34 @@ def test_a_holder_whose_process_is_gone_is_taken_over_with_a_warning(tmp_path, c
     assert [p.name for p in tmp_path.iterdir()] == [LOCK_FILE]  # the stale one set aside is removed
 
 
+def test_a_holder_killed_but_not_yet_reaped_is_taken_over(tmp_path):
+    """A SIGKILLed rank 0 whose launcher died with it stays a zombie until init reaps it (seconds, on some
+    machines): a resume started meanwhile must not be refused by a process that can never run again."""
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        holder_file(tmp_path, os.uname().nodename, holder.pid)
+        with pytest.raises(RunDirInUse):
+            acquire_run_dir(tmp_path, lease_s=60)
+        holder.kill()
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{holder.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        acquire_run_dir(tmp_path, lease_s=60)  # not waited for: still a zombie, our child
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_holder_whose_pid_now_names_another_process_is_taken_over(tmp_path, caplog):
+    lock = holder_file(tmp_path, os.uname().nodename, os.getpid())
+    record = json.loads(lock.read_text())
+    lock.write_text(json.dumps({**record, "started": 1}))  # this pid, but a process that started at boot
+    with caplog.at_level(logging.WARNING):
+        acquire_run_dir(tmp_path, lease_s=60)
+    assert "the pid now belongs to another process" in caplog.text
+
+
 def test_another_hosts_holder_blocks_while_its_heartbeat_is_fresh_and_is_taken_over_after_the_lease(tmp_path):
     holder_file(tmp_path, "node-17", 4242, age_s=5, job="981")
     with pytest.raises(RunDirInUse, match=r"pid 4242 on node-17, SLURM job 981, since 2026-11-23T10:00:00, "

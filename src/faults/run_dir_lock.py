@@ -1,9 +1,9 @@
 """One live run per run directory: two runs writing one directory mix their checkpoints, logs and exports.
 
-Rank 0 holds `RUN_DIR/.run.lock` (its host, pid, start time) for as long as the run lives, and touches it every
+Rank 0 holds `RUN_DIR/.run.lock` (its host, pid, the process's start time) for as long as the run lives, and touches it every
 few seconds (a heartbeat). A second launch into the directory, fresh or resuming, is refused with the holder's
 name. A holder that died without letting go (SIGKILL, a lost node) does not block a resume: a lock whose process
-is gone (same host) or whose heartbeat is older than the lease (any host, e.g. on a shared filesystem where
+is gone (same host: exited, a zombie not yet reaped, or its pid reused) or whose heartbeat is older than the lease (any host, e.g. on a shared filesystem where
 flock cannot be trusted) is taken over. Creation is O_EXCL and a takeover first renames the stale file away, so
 of two launches racing for one directory exactly one wins. A requeued SLURM job waits up to one lease for its
 previous instance to let go.
@@ -57,7 +57,7 @@ def acquire_run_dir(run_dir: Path, lease_s: float, requeued: bool = False) -> Ru
     path = run_dir / LOCK_FILE
     deadline = time.monotonic() + (lease_s if requeued else 0)
     mine = {"host": socket.gethostname(), "pid": os.getpid(), "since": datetime.now().isoformat(timespec="seconds"),
-            "job": os.environ.get("SLURM_JOB_ID"), "token": uuid.uuid4().hex}
+            "started": _process_start(os.getpid()), "job": os.environ.get("SLURM_JOB_ID"), "token": uuid.uuid4().hex}
     while True:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -124,13 +124,39 @@ def _why_gone(holder: Optional[dict], age: float, lease_s: float) -> Optional[st
     if age > lease_s:
         return f"no heartbeat for {age:.0f} s, more than trainer.run_dir_lease_s={lease_s:g}"
     if holder and holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        pid = holder["pid"]
         try:
-            os.kill(holder["pid"], 0)
+            os.kill(pid, 0)
         except ProcessLookupError:
-            return f"its process {holder['pid']} is gone"
+            return f"its process {pid} is gone"
         except PermissionError:
             pass  # alive, someone else's
+        # A SIGKILLed worker whose launcher died too stays a zombie until init reaps it, which can take seconds.
+        if _process_state(pid) in ("Z", "X"):
+            return f"its process {pid} has exited"
+        started = holder.get("started")
+        if started is not None and _process_start(pid) not in (None, started):
+            return f"its process {pid} is gone (the pid now belongs to another process)"
     return None
+
+
+def _stat_fields(pid: int) -> Optional[list[str]]:
+    """/proc/PID/stat after the command name (which may hold spaces), or None where there is no /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _process_state(pid: int) -> Optional[str]:
+    fields = _stat_fields(pid)
+    return fields[0] if fields else None
+
+
+def _process_start(pid: int) -> Optional[int]:
+    """Clock ticks since boot at which the process started: with the pid, it names one process for good."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None
 
 
 def _set_aside(path: Path, judged: Optional[bytes]) -> bool:
