@@ -15,7 +15,7 @@ from src.checkpointing.layout import complete_checkpoints
 from tests.conftest import ROOT, TINY_GPT, exported_weights, launch_command, max_abs_diff, run, scalars
 
 # Where a kill lands: the first moment this marker shows, or (None) a random moment of the launch.
-MARKERS = {"save": "checkpoints/.tmp-step_*", "export": ".tmp-model*", "random": None}
+MARKERS = {"save": "checkpoints/.tmp-step_*", "export": ".tmp-model*", "best export": ".tmp-model_best", "random": None}
 
 
 def args_for(run_dir, max_steps: int) -> list[str]:
@@ -107,5 +107,8 @@ def test_a_run_killed_many_times_at_random_moments_ends_as_if_never_killed(tmp_p
 
 def test_a_kill_during_the_export_of_the_best_model_is_redone_by_the_resume(tmp_path):
     """The only evaluation is the last step's, so nothing later would export the best model again."""
-    kills = chaos(tmp_path, 1, ["export"], seed=0, max_steps=6)
-    assert [(k["phase"], k["resumes from"]) for k in kills] == [("export", 4)]
+    for attempt in range(3):  # a busy machine can hide the export's few milliseconds from the poll: try again
+        kills = chaos(tmp_path / str(attempt), 1, ["best export"], seed=0, max_steps=6)
+        if kills:
+            break
+    assert [(k["phase"], k["resumes from"]) for k in kills] == [("best export", 4)]
