@@ -33,6 +33,7 @@ from src.reporting.log_filters import hide_tied_weight_notices
 from src.schema.build import build
 from src.schema.complete import complete_config
 from src.schema.data_sizes import resolve_data_sizes
+from src.schema.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout)  # whole global batches; epochs -> steps
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
     model = build(cfg.model, group="model")
+    check_vocabulary_fits(model, data.sizes(), cfg.model)
     hide_tied_weight_notices(model)  # accelerate's "Removed shared tensor" at every save, for the model's own ties
     if cfg.trainer.sync_batchnorm:
         model = sync_batchnorm(model, accelerator)
@@ -104,6 +106,20 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     OmegaConf.set_readonly(cfg, True)
     return Run(cfg, run_dir, checkpoint, launch, accelerator, data, model, objective, epoch_steps, fingerprint,
                data_changed)
+
+
+def check_vocabulary_fits(model: torch.nn.Module, sizes: dict[str, int], model_cfg: DictConfig) -> None:
+    """Token ids past the embedding fail deep inside the model (a CUDA assert on GPU); say it before. A model
+    built from ${dataset:vocab_size} fits by construction; a pretrained one must come with its tokenizer."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    vocab_size = sizes.get("vocab_size")
+    if vocab_size is None or not isinstance(embeddings, torch.nn.Embedding):
+        return
+    if vocab_size > embeddings.num_embeddings:
+        source = f"model.pretrained={model_cfg.pretrained}" if model_cfg.get("pretrained") else "the model"
+        raise UsageError(f"the data has {vocab_size} token ids but {source} embeds {embeddings.num_embeddings}: "
+                         "tokenize with the model's own tokenizer (data.tokenizer=PATH; the default with "
+                         "model.pretrained when its folder has tokenizer.json)")
 
 
 def with_values(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:

@@ -3,6 +3,7 @@
 <dir>/model.safetensors  weights (tied weights stored once)
 <dir>/config.yaml        the model config with `_target_`, data-derived sizes resolved: load_exported_model
 <dir>/config.json        transformers models only (save_pretrained): AutoModelForCausalLM.from_pretrained(<dir>)
+<dir>/tokenizer.json ... a pretrained transformers model's tokenizer files, carried on from its folder
 """
 
 import shutil
@@ -12,6 +13,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_model, save_file
+
+# What save_pretrained writes for a tokenizer: the export of a fine-tuned model is a whole folder again.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 def export_model(accelerator, model: torch.nn.Module, config: DictConfig, directory: Path) -> None:
@@ -31,6 +36,8 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
     if accelerator.is_main_process:
         if hasattr(unwrapped, "save_pretrained"):  # a transformers model: also a Hugging Face folder
             unwrapped.save_pretrained(tmp, state_dict=state_dict)  # safetensors
+            for file in tokenizer_files(unwrapped):
+                shutil.copy2(file, tmp / file.name)
         else:
             weights = without_tied_copies(state_dict, unwrapped)
             save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
@@ -43,6 +50,13 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
         tmp.rename(directory)
         shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
+
+
+def tokenizer_files(model: torch.nn.Module) -> list[Path]:
+    """The tokenizer files beside the weights a transformers model was loaded from (model.pretrained)."""
+    source = getattr(getattr(model, "config", None), "name_or_path", "") or ""
+    folder = Path(source).expanduser()
+    return [folder / name for name in TOKENIZER_FILES if source and (folder / name).is_file()]
 
 
 def whole_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -70,6 +84,10 @@ def without_tied_copies(state_dict: dict[str, torch.Tensor], model: torch.nn.Mod
 
 def load_exported_model(directory: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
     directory = Path(directory)
+    if (directory / "config.json").is_file():  # a transformers model: its config.yaml may name a pretrained
+        from transformers import AutoModelForCausalLM  # folder that is gone, config.json has the architecture
+
+        return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).to(device).eval()
     for name in ("config.yaml", "model.safetensors"):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory / name} is missing: not an exported model directory")

@@ -1,7 +1,8 @@
 """Documents from a JSON Lines file, one per sample, in Hugging Face's batch form: the variable-length case.
 
 Each line is an object whose `text_key` holds a document. It is tokenized by bytes, by characters (the
-vocabulary is the file's sorted character set) or by a local `tokenizers` JSON file (no hub), truncated to
+vocabulary is the file's sorted character set) or by a local `tokenizers` JSON file or `from_pretrained` folder
+(no hub; with `model.pretrained`, that folder's tokenizer by default), truncated to
 `block_size` tokens, and padded per batch on the right:
 
     {"input_ids": (B, T), "attention_mask": (B, T), "labels": (B, T)}   labels = input_ids, -100 on padding
@@ -12,13 +13,13 @@ The bundled sample, data/shakespeare_speeches.jsonl, has one speech of tiny Shak
 
 import functools
 import json
-from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
+from src.data.tokenizer import load_tokenizer
 from src.schema.signature import Arg
 
 IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)
@@ -58,8 +59,8 @@ class JsonlData(DataModule):
         block_size: Annotated[int, Arg("longest document in tokens (longer ones are truncated)", ge=2)],
         path: Annotated[str, Arg("JSON Lines file, one document per line")] = "data/shakespeare_speeches.jsonl",
         text_key: Annotated[str, Arg("the key of each line's document")] = "text",
-        tokenizer: Annotated[str, Arg("byte, char (vocabulary from the file) or the path of a tokenizers "
-                                      "JSON file")] = "byte",
+        tokenizer: Annotated[Optional[str], Arg("byte, char (vocabulary from the file), a tokenizers JSON file "
+                                                "or a from_pretrained folder holding one (null: byte)")] = "byte",
         val_fraction: Annotated[float, Arg("the last documents, as a fraction, validate", gt=0, lt=1)] = 0.1,
         **loader,
     ):
@@ -85,19 +86,14 @@ class JsonlData(DataModule):
         self.collate_fn = functools.partial(pad_right, pad_id=pad_id)
 
     @staticmethod
-    def _tokenizer(name: str, texts: list[str]):
+    def _tokenizer(name: Optional[str], texts: list[str]):
         """(encode, vocabulary size, padding id); the padding id is masked everywhere it appears."""
-        if name == "byte":
+        if name is None or name == "byte":
             return (lambda text: list(text.encode("utf-8"))), 256, 0
         if name == "char":
             index = {ch: i for i, ch in enumerate(sorted(set("".join(texts))))}
             return (lambda text: [index[ch] for ch in text]), len(index), 0
-        from tokenizers import Tokenizer  # installed with transformers (requirements-extras.txt)
-
-        file = Path(name).expanduser()
-        if not file.is_file():
-            raise FileNotFoundError(f"data.tokenizer={name!r}: not byte, char, or an existing tokenizers JSON file")
-        tokenizer = Tokenizer.from_file(str(file))
+        tokenizer = load_tokenizer(name)
         return (lambda text: tokenizer.encode(text).ids), tokenizer.get_vocab_size(), 0
 
     @model_size

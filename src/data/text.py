@@ -1,13 +1,15 @@
-"""Language-model data: a UTF-8 text file (character or byte level) or a pre-tokenized uint16 .bin file."""
+"""Language-model data: a UTF-8 text file (character level, byte level or a tokenizer's ids) or a pre-tokenized
+uint16 .bin file."""
 
 import hashlib
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
+from src.data.tokenizer import load_tokenizer
 from src.schema.signature import Arg
 
 
@@ -45,6 +47,14 @@ class TokenWindows(Dataset):
             start = self.offset + i * self.block_size
         chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
+
+
+def _utf8(raw: bytes, path: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"data.path={path}: not UTF-8 text (byte {raw[error.start]:#04x} at offset "
+                         f"{error.start}); use data.level=byte, or convert the file to UTF-8") from None
 
 
 def _mix(x: int) -> int:
@@ -94,24 +104,29 @@ class TokenStream(DataModule):
 
 
 class TextData(TokenStream):
-    """Character level: the vocabulary is the sorted set of characters in the file. Byte level: 256 ids."""
+    """Character level: the vocabulary is the sorted set of characters in the file. Byte level: 256 ids. With a
+    tokenizer (a pretrained model's, by default: config/data/text.yaml), its ids."""
 
     def __init__(
         self,
         path: Annotated[str, Arg("UTF-8 text file")],
-        level: Annotated[Literal["char", "byte"], Arg("tokens are characters (vocab from the file) or bytes")] = "char",
+        level: Annotated[Literal["char", "byte"], Arg("tokens are characters (vocab from the file) or bytes; "
+                                                      "unused with a tokenizer")] = "char",
+        tokenizer: Annotated[Optional[str], Arg("a tokenizers JSON file or a from_pretrained folder holding one "
+                                                "(null: data.level)")] = None,
         **stream,
     ):
         super().__init__(**stream)
         raw = readable_file(path, "data.path").read_bytes()
-        if level == "byte":
+        self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+        if self.tokenizer is not None:
+            ids = self.tokenizer.encode(_utf8(raw, path)).ids
+            self.vocab = None
+            tokens = np.array(ids, dtype=np.uint16 if self.tokenizer.get_vocab_size() <= 65536 else np.uint32)
+        elif level == "byte":
             tokens, self.vocab = np.frombuffer(raw, dtype=np.uint8), None
         else:
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise ValueError(f"data.path={path}: not UTF-8 text (byte {raw[error.start]:#04x} at offset "
-                                 f"{error.start}); use data.level=byte, or convert the file to UTF-8") from None
+            text = _utf8(raw, path)
             # Vectorised over code points (3x faster than a dict lookup per character; start-up counts):
             # the vocabulary is the characters present, in code-point order, as sorted(set(text)) gives.
             codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
@@ -128,16 +143,23 @@ class TextData(TokenStream):
 
     @model_size
     def vocab_size(self) -> int:
+        if self.tokenizer is not None:
+            return self.tokenizer.get_vocab_size()
         return 256 if self.vocab is None else len(self.vocab)
 
     def fingerprint(self) -> dict:
         # Other text may map to the same ids: the characters they stand for are part of the data.
-        vocabulary = "bytes" if self.vocab is None else "".join(self.vocab)
+        if self.tokenizer is not None:
+            vocabulary = self.tokenizer.to_str()
+        else:
+            vocabulary = "bytes" if self.vocab is None else "".join(self.vocab)
         if len(vocabulary) > 200:
             vocabulary = hashlib.blake2b(vocabulary.encode(), digest_size=8).hexdigest()
         return {**super().fingerprint(), "vocabulary": vocabulary}
 
     def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids)
         if self.vocab is None:
             return bytes(ids).decode("utf-8", errors="replace")
         return "".join(self.vocab[i] for i in ids)

@@ -1,12 +1,12 @@
 """One live run per run directory: two runs writing one directory mix their checkpoints, logs and exports.
 
-Rank 0 holds `RUN_DIR/.run.lock` (its host, pid, the process's start time) for as long as the run lives, and touches it every
-few seconds (a heartbeat). A second launch into the directory, fresh or resuming, is refused with the holder's
-name. A holder that died without letting go (SIGKILL, a lost node) does not block a resume: a lock whose process
-is gone (same host: exited, a zombie not yet reaped, or its pid reused) or whose heartbeat is older than the lease (any host, e.g. on a shared filesystem where
-flock cannot be trusted) is taken over. Creation is O_EXCL and a takeover first renames the stale file away, so
-of two launches racing for one directory exactly one wins. A requeued SLURM job waits up to one lease for its
-previous instance to let go.
+Rank 0 holds `RUN_DIR/.run.lock` (its host, pid, the process's start time) for as long as the run lives, and
+touches it every few seconds (a heartbeat). A second launch into the directory, fresh or resuming, is refused
+with the holder's name. A holder that died without letting go (SIGKILL, a lost node) does not block a resume: a
+lock whose process is gone (same host: exited, a zombie not yet reaped, or its pid reused) or whose heartbeat is
+older than the lease (any host, e.g. on a shared filesystem where flock cannot be trusted) is taken over.
+Creation is O_EXCL and a takeover first renames the stale file away, so of two launches racing for one directory
+exactly one wins. A requeued SLURM job waits up to one lease for its previous instance to let go.
 """
 
 import json

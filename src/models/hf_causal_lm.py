@@ -1,13 +1,20 @@
-"""Any Hugging Face `transformers` causal LM, built from an inline config: no download, no hub.
+"""Any Hugging Face `transformers` causal LM, built from an inline config or loaded from a local folder: no hub.
 
-    accelerate launch train.py model=hf_causal_lm                        # a small GPT-2 (config/model/hf_causal_lm.yaml)
+    accelerate launch train.py model=hf_causal_lm                        # a small GPT-2 (its yaml)
     accelerate launch train.py model=hf_causal_lm model.config.model_type=llama ...   # any AutoModelForCausalLM type
+    accelerate launch train.py model=hf_causal_lm model.pretrained=PATH  # fine-tune a from_pretrained folder
+
+A pretrained folder brings its own architecture (config.json, so model.config is not used), its weights and,
+where it has one, its tokenizer, which the text options then use (config/data/text.yaml, jsonl.yaml). The folder
+may be another run's export (`outputs/RUN/model`): a run fine-tunes what an earlier one trained.
 
 `transformers` is an optional requirement (requirements-extras.txt); it is imported only when this model is built.
 The export of such a model is also a Hugging Face folder: `AutoModelForCausalLM.from_pretrained(run_dir/"model")`.
 """
 
-from typing import Annotated, Any
+import logging
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional
 
 from src.schema.errors import UsageError
 from src.schema.signature import Arg
@@ -15,19 +22,48 @@ from src.schema.signature import Arg
 # Config fields that bound the sequence length, by the names transformers' architectures use.
 POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length")
 
+log = logging.getLogger(__name__)
+
 
 def causal_lm_from_config(
     config: Annotated[dict, Arg("model_type and its fields, as AutoConfig.for_model takes them; sizes the data "
-                                "knows as ${dataset:vocab_size}")],
+                                "knows as ${dataset:vocab_size}; not used with model.pretrained")],
     block_size: Annotated[int, Arg("longest sequence trained on (data.block_size follows it); must fit the "
                                    "config's position embeddings", ge=1)],
     gradient_checkpointing: Annotated[bool, Arg("recompute activations in the backward pass to save memory")] = False,
+    pretrained: Annotated[Optional[str], Arg(
+        "a local from_pretrained folder (config.json, weights, optionally a tokenizer) to start from, e.g. "
+        "another run's outputs/RUN/model; null: random weights from model.config")] = None,
+    dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], Arg(
+        "dtype of the weights (null: float32; mixed precision is trainer.mixed_precision, which keeps float32 "
+        "master weights)")] = None,
+    attn_implementation: Annotated[Optional[str], Arg(
+        "transformers' attention kernel: eager, sdpa, flash_attention_2, ... (null: transformers' choice)")] = None,
 ) -> Any:
     try:
+        import torch
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError as error:
         raise UsageError("model=hf_causal_lm needs transformers: pip install -r requirements-extras.txt") from error
-    config = dict(config)
+    options = {"dtype": getattr(torch, dtype or "float32")}
+    if attn_implementation:
+        options["attn_implementation"] = attn_implementation
+    if pretrained:
+        model = _from_pretrained(AutoModelForCausalLM, pretrained, options)
+        hf_config = model.config
+    else:
+        hf_config = _inline_config(AutoConfig, dict(config))
+        model = AutoModelForCausalLM.from_config(hf_config, **options)
+    positions = next((getattr(hf_config, f) for f in POSITION_FIELDS if getattr(hf_config, f, None)), None)
+    if positions is not None and block_size > positions:
+        source = f"model.pretrained={pretrained}" if pretrained else "model.config"
+        raise UsageError(f"model.block_size={block_size} exceeds the {positions} positions of {source}")
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _inline_config(AutoConfig, config: dict) -> Any:
     if "model_type" not in config:
         raise UsageError("model.config.model_type is mandatory (e.g. gpt2, llama, qwen2): the architecture to build")
     try:
@@ -38,10 +74,22 @@ def causal_lm_from_config(
     if unknown:  # transformers would keep them as inert attributes: a typo would change nothing, silently
         raise UsageError(f"model.config.{unknown[0]}: not a field of {type(hf_config).__name__} "
                          f"({', '.join('model.config.' + k for k in unknown)})")
-    positions = next((getattr(hf_config, f) for f in POSITION_FIELDS if getattr(hf_config, f, None)), None)
-    if positions is not None and block_size > positions:
-        raise UsageError(f"model.block_size={block_size} exceeds the {positions} positions of model.config")
-    model = AutoModelForCausalLM.from_config(hf_config)
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    return hf_config
+
+
+def _from_pretrained(AutoModelForCausalLM, pretrained: str, options: dict) -> Any:
+    folder = Path(pretrained).expanduser()
+    if not folder.is_dir():
+        raise UsageError(f"model.pretrained={pretrained}: no such folder (a local from_pretrained folder; relative "
+                         f"paths are relative to {Path.cwd()}; nothing is downloaded)")
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"model.pretrained={pretrained}: no config.json in it; a from_pretrained folder holds "
+                         f"config.json and its weights (model.safetensors), as save_pretrained writes them")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **options)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"model.pretrained={pretrained}: {error}") from error
+    log.info("model.pretrained=%s: %s, %.1fM parameters (model.config is not used)", pretrained,
+             type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6)
     return model
+

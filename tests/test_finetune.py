@@ -1,0 +1,141 @@
+"""Fine-tuning: a run starts from a local from_pretrained folder (weights, architecture, tokenizer), resumes
+bitwise, and exports a folder that another run fine-tunes in turn."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from src.schema.errors import UsageError
+from tests.conftest import QUIET, ROOT, run, scalars
+from tests.test_checkpoint import kill_when
+
+transformers = pytest.importorskip("transformers")
+SPEECHES = ROOT / "data" / "shakespeare_speeches.jsonl"
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A small GPT-2 with a BPE tokenizer of its own, pretrained in this process on the speeches for a hundred
+    steps: its loss is far below that of random weights, which is how a run shows it started from it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    folder = tmp_path_factory.mktemp("pretrained") / "gpt2_tiny"
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tokenizer.train([str(SPEECHES)], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["[PAD]", "[UNK]"]))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=tokenizer.get_vocab_size(), n_positions=64, n_embd=32, n_layer=2,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=None, eos_token_id=None)
+    model = transformers.GPT2LMHeadModel(config)
+    texts = [json.loads(line)["text"] for line in SPEECHES.read_text().splitlines() if line.strip()]
+    ids = torch.tensor([i for text in texts for i in tokenizer.encode(text).ids])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(100):
+        starts = torch.randint(0, len(ids) - 49, (16,))
+        batch = torch.stack([ids[s : s + 48] for s in starts])
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(folder)
+    return folder
+
+
+def finetune_args(pretrained, run_dir) -> list[str]:
+    return ["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=48", "data=jsonl",
+            "objective=causal_lm", "data.batch_size=8", "optimizer.lr=3e-3", "scheduler.warmup_steps=2", *QUIET,
+            f"hydra.run.dir={run_dir}"]
+
+
+def test_a_run_starts_from_a_pretrained_folder_with_its_tokenizer_and_its_export_is_fine_tuned_by_another(
+        tmp_path, pretrained):
+    first, second = tmp_path / "first", tmp_path / "second"
+    run([*finetune_args(pretrained, first), "trainer.max_steps=12", "trainer.checkpoint_every=12"])
+    # Step 1's loss is the pretrained weights' (random ones score about ln 320 = 5.8 on the tokenizer's ids).
+    first_losses = scalars(first, "train/loss")
+    assert first_losses[1] < math.log(VOCAB) - 1.0
+    data = json.loads((first / "checkpoints" / "step_00000012" / "data.json").read_text())
+    assert data["vocab_size"] == VOCAB  # the folder's tokenizer, not bytes (256)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (first / "model" / name).is_file(), name
+    tokenizer = transformers.AutoTokenizer.from_pretrained(first / "model")
+    assert tokenizer.get_vocab() == transformers.AutoTokenizer.from_pretrained(pretrained).get_vocab()
+
+    # The export is a from_pretrained folder again: the next run starts where this one ended.
+    run([*finetune_args(first / "model", second), "trainer.max_steps=2"])
+    second_losses = scalars(second, "train/loss")
+    assert second_losses[1] < first_losses[1]  # the same first batch (same seed), scored by the trained weights
+    assert (second / "model" / "tokenizer.json").is_file()
+    from src.checkpointing.export import load_exported_model
+
+    exported = load_exported_model(second / "model")
+    assert exported.get_input_embeddings().num_embeddings == VOCAB
+
+
+def test_a_fine_tuning_run_killed_mid_run_resumes_bitwise(tmp_path, pretrained):
+    reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    args = ["trainer.max_steps=12", "trainer.checkpoint_every=4", "trainer.monitor=null",
+            "model.attn_implementation=eager"]
+    run([*finetune_args(pretrained, reference), *args])
+    kill_when([*finetune_args(pretrained, killed), *args], 1,
+              ready=lambda: (killed / "checkpoints" / "step_00000004").is_dir())
+    assert not (killed / "model").exists()
+    run([*finetune_args(pretrained, killed), *args, "resume=auto"])
+    assert scalars(killed, "train/loss") == scalars(reference, "train/loss")
+
+
+def test_pretrained_weights_load_in_the_dtype_and_attention_kernel_asked_for(pretrained):
+    from src.models.hf_causal_lm import causal_lm_from_config
+
+    model = causal_lm_from_config({}, block_size=48, pretrained=str(pretrained), dtype="bfloat16",
+                                  attn_implementation="eager")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "model.pretrained={p}: no such folder"),
+    ("no_config", "model.pretrained={p}: no config.json in it"),
+    ("positions", "model.block_size=65 exceeds the 64 positions of model.pretrained={p}"),
+])
+def test_a_pretrained_folder_that_cannot_serve_is_refused_naming_the_key(tmp_path, pretrained, case, message):
+    from src.models.hf_causal_lm import causal_lm_from_config
+
+    folder = {"missing": tmp_path / "nothing", "no_config": tmp_path}.get(case, pretrained)
+    kwargs = {"positions": {"block_size": 65}}.get(case, {})
+    with pytest.raises(UsageError) as error:
+        causal_lm_from_config({}, **{"block_size": 48, "pretrained": str(folder), **kwargs})
+    assert message.format(p=folder) in str(error.value)
+
+
+def test_data_with_more_token_ids_than_a_pretrained_model_embeds_is_refused_before_training(pretrained):
+    from omegaconf import OmegaConf
+
+    from src.models.hf_causal_lm import causal_lm_from_config
+    from src.run import check_vocabulary_fits
+
+    model = causal_lm_from_config({}, block_size=48, pretrained=str(pretrained))
+    check_vocabulary_fits(model, {"vocab_size": VOCAB}, OmegaConf.create({"pretrained": str(pretrained)}))
+    with pytest.raises(UsageError, match=rf"the data has 400 token ids but model.pretrained={pretrained} embeds 320: "
+                                         r"tokenize with the model's own tokenizer \(data.tokenizer=PATH"):
+        check_vocabulary_fits(model, {"vocab_size": 400}, OmegaConf.create({"pretrained": str(pretrained)}))
+
+
+def test_text_data_reads_a_pretrained_folders_tokenizer_and_refuses_a_folder_without_one(tmp_path, pretrained):
+    from src.data.text import TextData
+
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question. " * 40)
+    data = TextData(path=str(text), tokenizer=str(pretrained), block_size=16)
+    assert data.vocab_size == VOCAB
+    tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained)
+    inputs, _ = data.train[0]
+    assert data.decode(inputs.tolist()) == tokenizer.decode(inputs.tolist())
+    assert inputs.tolist() == tokenizer(text.read_text())["input_ids"][:16]
+    with pytest.raises(UsageError, match=rf"data.tokenizer={tmp_path}: the folder has no tokenizer.json"):
+        TextData(path=str(text), tokenizer=str(tmp_path), block_size=16)
