@@ -37,6 +37,7 @@ from src.loop.early_stopping import EarlyStopping
 from src.loop.ema import build_ema
 from src.loop.evaluation import evaluate
 from src.loop.forward import Forward
+from src.loop.sampling import Sampler
 from src.optim.optimizers import build_optimizer
 from src.reporting.progress import Progress
 from src.reporting.run_log import start_run_log, stop_run_log
@@ -77,12 +78,14 @@ def train(cfg: DictConfig) -> float | None:
     if checkpoint:
         load_checkpoint(accelerator, checkpoint, state, trainer.seed, restart_epoch=run.data_changed)
     start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, run.launch, run_dir), state.step)
-    export = lambda directory, module=model: export_model(accelerator, module, cfg.model, directory)  # noqa: E731
+    export = lambda directory, module=model: export_model(accelerator, module, cfg.model, directory,  # noqa: E731
+                                                          data.codec)
     checkpointer = Checkpointer(accelerator, run_dir, cfg, export, run.data_fingerprint)
     preemption = PreemptionWatch()
     guard = NonFiniteGuard(accelerator, optimizer, scheduler, ema, trainer.nonfinite, trainer.max_consecutive_skips,
                            run_dir, preemption)
     hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s, accelerator.num_processes)
+    sampler = Sampler(accelerator, trainer, data.codec, model, cfg.model.get("block_size") or 0)
     early_stopping = EarlyStopping(trainer.monitor, trainer.monitor_mode, trainer.early_stopping_patience,
                                    trainer.early_stopping_min_delta)
 
@@ -152,6 +155,7 @@ def train(cfg: DictConfig) -> float | None:
             metrics = step_metrics
             accelerator.log(metrics, step=state.step)
             log.info("step %d: %s", state.step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        sampler.step_finished(state.step, model)  # trainer.sample_every: text from rank 0
         stop_reason = None
         if not done and early_stopping.should_stop(step_metrics, state):
             stop_reason = early_stopping.reason(state)

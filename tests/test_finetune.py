@@ -3,6 +3,8 @@ bitwise, and exports a folder that another run fine-tunes in turn."""
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,11 +22,12 @@ VOCAB = 320
 def pretrained(tmp_path_factory):
     """A small GPT-2 with a BPE tokenizer of its own, pretrained in this process on the speeches for a hundred
     steps: its loss is far below that of random weights, which is how a run shows it started from it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     folder = tmp_path_factory.mktemp("pretrained") / "gpt2_tiny"
     tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
     tokenizer.train([str(SPEECHES)], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["[PAD]", "[UNK]"]))
     transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
 
@@ -67,7 +70,9 @@ def test_a_run_starts_from_a_pretrained_folder_with_its_tokenizer_and_its_export
     assert tokenizer.get_vocab() == transformers.AutoTokenizer.from_pretrained(pretrained).get_vocab()
 
     # The export is a from_pretrained folder again: the next run starts where this one ended.
-    run([*finetune_args(first / "model", second), "trainer.max_steps=2"])
+    run([*finetune_args(first / "model", second), "trainer.max_steps=2", "trainer.sample_every=2",
+         "trainer.sample_tokens=8", "trainer.sample_prompts=[To be]"])
+    assert "sample 0 at step 2:\nTo be" in (second / "train.log").read_text()  # transformers' generate
     second_losses = scalars(second, "train/loss")
     assert second_losses[1] < first_losses[1]  # the same first batch (same seed), scored by the trained weights
     assert (second / "model" / "tokenizer.json").is_file()
@@ -75,6 +80,9 @@ def test_a_run_starts_from_a_pretrained_folder_with_its_tokenizer_and_its_export
 
     exported = load_exported_model(second / "model")
     assert exported.get_input_embeddings().num_embeddings == VOCAB
+    sampled = subprocess.run([sys.executable, "sample.py", str(second / "model"), "--prompt", "To be", "--tokens",
+                              "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert sampled.returncode == 0 and sampled.stdout.startswith("To be"), sampled.stderr
 
 
 def test_a_fine_tuning_run_killed_mid_run_resumes_bitwise(tmp_path, pretrained):
@@ -135,7 +143,7 @@ def test_text_data_reads_a_pretrained_folders_tokenizer_and_refuses_a_folder_wit
     assert data.vocab_size == VOCAB
     tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained)
     inputs, _ = data.train[0]
-    assert data.decode(inputs.tolist()) == tokenizer.decode(inputs.tolist())
+    assert data.codec.decode(inputs.tolist()) == tokenizer.decode(inputs.tolist())
     assert inputs.tolist() == tokenizer(text.read_text())["input_ids"][:16]
     with pytest.raises(UsageError, match=rf"data.tokenizer={tmp_path}: the folder has no tokenizer.json"):
         TextData(path=str(text), tokenizer=str(tmp_path), block_size=16)

@@ -48,6 +48,9 @@ RUN = [
     ("python eval.py path=outputs/RUN/model", {"RUN": "my_run"}, []),
     ("accelerate launch --multi_gpu --num_processes 2 eval.py path=outputs/RUN/checkpoints/step_00000500 "
      "+data.batch_size=256", {"RUN": "my_run", "step_00000500": "step_00000002"}, []),
+    ("accelerate launch train.py trainer.sample_every=500 'trainer.sample_prompts=[ROMEO:,JULIET:]'",
+     {"sample_every=500": "sample_every=2"}, [*TINY, *STEPS, "trainer.sample_tokens=10"]),
+    ("python sample.py outputs/RUN/model --prompt \"ROMEO:\" --num-samples 3", {"RUN": "my_run"}, []),
     ("python train.py -m optimizer.lr=1e-3,3e-4 model.n_layer=4,6 trainer.max_steps=500",
      {"trainer.max_steps=500": "trainer.max_steps=2"}, [*TINY, "trainer.eval_batches=1"]),
     ("python train.py -m hparams_search=optuna hydra.sweeper.n_trials=20 trainer.max_steps=500",

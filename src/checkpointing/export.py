@@ -4,6 +4,7 @@
 <dir>/config.yaml        the model config with `_target_`, data-derived sizes resolved: load_exported_model
 <dir>/config.json        transformers models only (save_pretrained): AutoModelForCausalLM.from_pretrained(<dir>)
 <dir>/tokenizer.json ... a pretrained transformers model's tokenizer files, carried on from its folder
+<dir>/vocabulary.json    text data: how text became ids (bytes, the characters, or tokenizer.json): sample.py
 """
 
 import shutil
@@ -19,8 +20,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
-def export_model(accelerator, model: torch.nn.Module, config: DictConfig, directory: Path) -> None:
+def export_model(accelerator, model: torch.nn.Module, config: DictConfig, directory: Path, codec=None) -> None:
     """Main process only writes; every process must call it (gathering the state dict may be collective).
+    `codec`: the data's text codec (src/data/tokenizer.py), saved beside the weights for sample.py.
 
     Written beside the target and swapped in, so a kill mid-export leaves the previous export intact.
     """
@@ -44,6 +46,8 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         OmegaConf.save(config, tmp / "config.yaml", resolve=True)
+        if codec is not None:  # text data: how prompts become ids and back (sample.py)
+            codec.save(tmp)
         shutil.rmtree(old, ignore_errors=True)
         if directory.exists():
             directory.rename(old)

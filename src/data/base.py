@@ -9,7 +9,7 @@ import inspect
 import signal
 from collections.abc import Mapping, Sized
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -17,6 +17,9 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from src.schema.errors import UsageError
 from src.schema.signature import Arg
+
+if TYPE_CHECKING:
+    from src.data.tokenizer import Codec
 
 
 def readable_file(path: str, key: str) -> Path:
@@ -100,6 +103,8 @@ class DataModule:
     # True when the targets are the inputs themselves (Hugging Face's `labels = input_ids`), to be shifted by
     # the objective: an objective that does not shift would train the model to copy its input.
     targets_are_inputs: bool = False
+    # Text data: how text becomes token ids and back (src/data/tokenizer.py), for sampling and the export.
+    codec: Optional["Codec"] = None
 
     def __init__(
         self,

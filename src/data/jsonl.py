@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
-from src.data.tokenizer import load_tokenizer
+from src.data.tokenizer import Codec, load_tokenizer
 from src.schema.signature import Arg
 
 IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)
@@ -76,26 +76,24 @@ class JsonlData(DataModule):
                 if text_key not in record:
                     raise ValueError(f"{file}:{number}: no {text_key!r} key (data.text_key); keys: {sorted(record)}")
                 texts.append(record[text_key])
-        encode, self._vocab_size, pad_id = self._tokenizer(tokenizer, texts)
-        documents = [ids for ids in map(encode, texts) if ids]
+        self.codec = self._codec(tokenizer, texts)
+        documents = [ids for ids in map(self.codec.encode, texts) if ids]
         n_val = max(1, int(len(documents) * val_fraction))
         if len(documents) - n_val < 1:
             raise ValueError(f"{file} has {len(documents)} non-empty documents: too few to train and validate")
         self.train = Documents(documents[:-n_val], block_size)
         self.val = Documents(documents[-n_val:], block_size)
-        self.collate_fn = functools.partial(pad_right, pad_id=pad_id)
+        self.collate_fn = functools.partial(pad_right, pad_id=0)
 
     @staticmethod
-    def _tokenizer(name: Optional[str], texts: list[str]):
-        """(encode, vocabulary size, padding id); the padding id is masked everywhere it appears."""
+    def _codec(name: Optional[str], texts: list[str]) -> Codec:
+        # Padding is id 0 in every vocabulary (pad_right): it is masked everywhere it appears.
         if name is None or name == "byte":
-            return (lambda text: list(text.encode("utf-8"))), 256, 0
+            return Codec("byte")
         if name == "char":
-            index = {ch: i for i, ch in enumerate(sorted(set("".join(texts))))}
-            return (lambda text: [index[ch] for ch in text]), len(index), 0
-        tokenizer = load_tokenizer(name)
-        return (lambda text: tokenizer.encode(text).ids), tokenizer.get_vocab_size(), 0
+            return Codec("char", "".join(sorted(set("".join(texts)))))
+        return Codec("tokenizer", tokenizer=load_tokenizer(name))
 
     @model_size
     def vocab_size(self) -> int:
-        return self._vocab_size
+        return self.codec.vocab_size

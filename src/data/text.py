@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
-from src.data.tokenizer import load_tokenizer
+from src.data.tokenizer import Codec, load_tokenizer
 from src.schema.signature import Arg
 
 
@@ -123,8 +123,10 @@ class TextData(TokenStream):
             ids = self.tokenizer.encode(_utf8(raw, path)).ids
             self.vocab = None
             tokens = np.array(ids, dtype=np.uint16 if self.tokenizer.get_vocab_size() <= 65536 else np.uint32)
+            self.codec = Codec("tokenizer", tokenizer=self.tokenizer)
         elif level == "byte":
             tokens, self.vocab = np.frombuffer(raw, dtype=np.uint8), None
+            self.codec = Codec("byte")
         else:
             text = _utf8(raw, path)
             # Vectorised over code points (3x faster than a dict lookup per character; start-up counts):
@@ -138,14 +140,13 @@ class TextData(TokenStream):
             index = np.zeros(present[-1] + 1 if len(present) else 1, dtype=np.uint16)
             index[present] = np.arange(len(present))
             tokens = index[codes]
+            self.codec = Codec("char", "".join(self.vocab))
         self.train, self.val = split(tokens, self.val_fraction, self.block_size, self.random_offset, self.seed, path,
                                       self.random_windows)
 
     @model_size
     def vocab_size(self) -> int:
-        if self.tokenizer is not None:
-            return self.tokenizer.get_vocab_size()
-        return 256 if self.vocab is None else len(self.vocab)
+        return self.codec.vocab_size
 
     def fingerprint(self) -> dict:
         # Other text may map to the same ids: the characters they stand for are part of the data.
@@ -156,13 +157,6 @@ class TextData(TokenStream):
         if len(vocabulary) > 200:
             vocabulary = hashlib.blake2b(vocabulary.encode(), digest_size=8).hexdigest()
         return {**super().fingerprint(), "vocabulary": vocabulary}
-
-    def decode(self, ids: list[int]) -> str:
-        if self.tokenizer is not None:
-            return self.tokenizer.decode(ids)
-        if self.vocab is None:
-            return bytes(ids).decode("utf-8", errors="replace")
-        return "".join(self.vocab[i] for i in ids)
 
 
 class TokenData(TokenStream):

@@ -1,10 +1,12 @@
-"""A local tokenizer for text data: a `tokenizers` JSON file, or a `from_pretrained` folder that holds one.
+"""A local tokenizer for text data (a `tokenizers` JSON file, or a `from_pretrained` folder that holds one), and
+the Codec each text option exposes: how its text becomes ids and back, for sampling and for the export.
 
 With `model.pretrained=PATH` the text options default to that folder's tokenizer (config/data/text.yaml,
 config/data/jsonl.yaml), so a pretrained model reads the ids it was trained on. `tokenizers` comes with
 transformers (requirements-extras.txt); nothing is downloaded.
 """
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +39,55 @@ def load_tokenizer(path: str, key: str = "data.tokenizer") -> Any:
         return Tokenizer.from_file(str(file))
     except Exception as error:  # tokenizers raises a bare Exception on a malformed file
         raise ValueError(f"{key}={path}: {file} is not a tokenizers JSON file ({error})") from None
+
+
+class Codec:
+    """Text <-> token ids, as the data tokenized it: what sampling needs, and what an export keeps beside the
+    weights so that `python sample.py outputs/RUN/model` reads and writes text without the training data."""
+
+    SAVED = "vocabulary.json"
+
+    def __init__(self, kind: str, chars: str = "", tokenizer: Any = None):
+        self.kind, self.chars, self.tokenizer = kind, chars, tokenizer
+        self._index = {ch: i for i, ch in enumerate(chars)}
+
+    @property
+    def vocab_size(self) -> int:
+        if self.kind == "byte":
+            return 256
+        return len(self.chars) if self.kind == "char" else self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        if self.kind == "byte":
+            return list(text.encode("utf-8"))
+        if self.kind == "char":
+            unknown = sorted(set(text) - set(self._index))
+            if unknown:
+                raise UsageError(f"{text!r}: the characters {''.join(unknown)!r} are not in the data's vocabulary "
+                                 f"(character level: only the training file's {len(self.chars)} characters)")
+            return [self._index[ch] for ch in text]
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.kind == "byte":
+            return bytes(ids).decode("utf-8", errors="replace")
+        if self.kind == "char":
+            return "".join(self.chars[i] for i in ids)
+        return self.tokenizer.decode(ids)
+
+    def save(self, directory: Path) -> None:
+        (directory / self.SAVED).write_text(json.dumps({"kind": self.kind, "chars": self.chars}))
+        if self.kind == "tokenizer" and not (directory / FILE).exists():  # a pretrained folder's is copied
+            self.tokenizer.save(str(directory / FILE))
+
+    @classmethod
+    def load(cls, directory: Path) -> "Codec":
+        saved = directory / cls.SAVED
+        if saved.is_file():
+            record = json.loads(saved.read_text())
+            if record["kind"] != "tokenizer":
+                return cls(record["kind"], record["chars"])
+        if (directory / FILE).is_file():  # ours, or any from_pretrained folder with a fast tokenizer
+            return cls("tokenizer", tokenizer=load_tokenizer(str(directory), "the model folder"))
+        raise FileNotFoundError(f"{directory}: neither {cls.SAVED} nor {FILE}, so its text cannot be encoded: "
+                                "an export of a run on text data has one")

@@ -127,8 +127,14 @@ class GPT(nn.Module):
         return 6 * n_params + 12 * n_layer * d * self.block_size
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: Optional[int] = None) -> torch.Tensor:
+        """Sample max_new_tokens after the ids (B, T), each from the softmax of its logits / temperature,
+        restricted to the top_k likeliest (as nanoGPT's sample.py does). Uses torch's global RNG."""
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.block_size :])[:, -1, :] / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, -float("inf"))
             idx = torch.cat([idx, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
         return idx

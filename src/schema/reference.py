@@ -21,9 +21,14 @@ def markdown_reference(target: str | Callable, prefix: str) -> str:
     reference of `trainer.*` is this output, and a test keeps it so."""
     rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for name, p in schema_of(target).params.items():
-        default = ("(mandatory)" if p.mandatory else f"[{', '.join(map(str, p.default))}]"
+        default = ("(mandatory)" if p.mandatory else f"[{', '.join(map(_cell, p.default))}]"
                    if isinstance(p.default, (list, tuple)) else OmegaConf.to_yaml({"v": p.default}).strip()[3:])
         cells = (f"`{prefix}{name}`", type_name(p.annotation), f"`{default}`", p.arg.help)
         rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     return "\n".join(rows)
 
+
+def _cell(value) -> str:
+    """A list item as one table cell shows it: a string with a line break or a comma quoted, as YAML would."""
+    text = str(value)
+    return repr(text) if any(ch in text for ch in "\n,") else text

@@ -55,6 +55,13 @@ class TrainerConfig:
         "stop after this many evaluations in a row without improving trainer.monitor (null: never)", ge=1)] = None
     early_stopping_min_delta: Annotated[float, Arg(
         "an improvement smaller than this does not count, for early stopping", ge=0)] = 0.0
+    sample_every: Annotated[int, Arg(
+        "language models on text: optimizer steps between sampled continuations of sample_prompts, written to "
+        "the log and TensorBoard's text tab (0: never)", ge=0)] = 0
+    sample_prompts: Annotated[tuple[str, ...], Arg("the prompts sample_every continues")] = ("\n",)
+    sample_tokens: Annotated[int, Arg("tokens sampled after each prompt", ge=1)] = 200
+    sample_temperature: Annotated[float, Arg("softmax temperature of the sampler", gt=0)] = 0.8
+    sample_top_k: Annotated[Optional[int], Arg("sample from the top_k likeliest tokens only (null: all)", ge=1)] = 200
     ema_decay: Annotated[Optional[float], Arg(
         "keep an exponential moving average of the weights with this decay, e.g. 0.999: evaluated as eval_ema/*, "
         "exported to <run_dir>/model_ema, checkpointed (null: off)", gt=0, lt=1)] = None

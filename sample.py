@@ -1,0 +1,64 @@
+"""Sample text from an exported language model: a run's `model/` (or `model_best/`, `model_ema/`) folder.
+
+    python sample.py outputs/RUN/model --prompt "ROMEO:"
+    python sample.py outputs/RUN/model --prompt "To be" --num-samples 3 --tokens 100 --temperature 0.9 --seed 7
+
+The folder holds the weights, the model's config and how the run's text became token ids (vocabulary.json or
+tokenizer.json): no training data, no Hydra config. The same folder, prompt and seed give the same text.
+(Plain argparse, not Hydra: the folder is the whole configuration.)
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from src.checkpointing.export import load_exported_model
+from src.data.tokenizer import Codec
+from src.loop.sampling import sample_texts
+from src.models.hf_causal_lm import POSITION_FIELDS
+from src.schema.errors import UsageError
+
+
+def block_size_of(model: torch.nn.Module, folder: Path) -> int:
+    """The longest sequence the model was trained on (its config.yaml), else what its positions allow."""
+    if (folder / "config.yaml").is_file():
+        size = OmegaConf.load(folder / "config.yaml").get("block_size")
+        if size:
+            return int(size)
+    config = getattr(model, "config", None)
+    return next((getattr(config, f) for f in POSITION_FIELDS if getattr(config, f, None)), 1024)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="an exported model folder, e.g. outputs/RUN/model")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a new line)")
+    parser.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt")
+    parser.add_argument("--tokens", type=int, default=200, help="tokens sampled after the prompt")
+    parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (lower: safer)")
+    parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=1337, help="the sampler's seed")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if args.tokens < 1 or args.num_samples < 1 or args.temperature <= 0 or args.top_k < 0:
+        parser.error("--tokens and --num-samples must be >= 1, --temperature > 0, --top-k >= 0")
+    try:
+        codec = Codec.load(args.folder)
+        model = load_exported_model(args.folder, args.device)
+        texts = sample_texts(model, codec, [args.prompt] * args.num_samples, args.tokens, args.temperature,
+                             args.top_k or None, args.seed, block_size_of(model, args.folder))
+    except (UsageError, FileNotFoundError) as error:
+        print(f"sample.py: {error}", file=sys.stderr)
+        return 2
+    for i, text in enumerate(texts):
+        if args.num_samples > 1:
+            print(f"--- sample {i}")
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
