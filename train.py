@@ -77,7 +77,7 @@ def train(cfg: DictConfig) -> float | None:
     ema = build_ema(accelerator, model, trainer.ema_decay)  # registered for checkpointing: load_state restores it
     if checkpoint:
         load_checkpoint(accelerator, checkpoint, state, trainer.seed, restart_epoch=run.data_changed)
-    start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, run.launch, run_dir), state.step)
+    start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, run.launch, run_dir, model), state.step)
     export = lambda directory, module=model: export_model(accelerator, module, cfg.model, directory,  # noqa: E731
                                                           data.codec)
     checkpointer = Checkpointer(accelerator, run_dir, cfg, export, run.data_fingerprint)

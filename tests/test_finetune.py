@@ -3,6 +3,7 @@ bitwise, and exports a folder that another run fine-tunes in turn."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from src.schema.errors import UsageError
-from tests.conftest import QUIET, ROOT, run, scalars
+from tests.conftest import QUIET, ROOT, exported_weights, max_abs_diff, run, scalars
 from tests.test_checkpoint import kill_when
 
 transformers = pytest.importorskip("transformers")
@@ -49,10 +50,10 @@ def pretrained(tmp_path_factory):
     return folder
 
 
-def finetune_args(pretrained, run_dir) -> list[str]:
+def finetune_args(pretrained, run_dir, batch_size: int = 8) -> list[str]:
     return ["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=48", "data=jsonl",
-            "objective=causal_lm", "data.batch_size=8", "optimizer.lr=3e-3", "scheduler.warmup_steps=2", *QUIET,
-            f"hydra.run.dir={run_dir}"]
+            "objective=causal_lm", f"data.batch_size={batch_size}", "optimizer.lr=3e-3", "scheduler.warmup_steps=2",
+            *QUIET, f"hydra.run.dir={run_dir}"]
 
 
 def test_a_run_starts_from_a_pretrained_folder_with_its_tokenizer_and_its_export_is_fine_tuned_by_another(
@@ -147,3 +148,49 @@ def test_text_data_reads_a_pretrained_folders_tokenizer_and_refuses_a_folder_wit
     assert inputs.tolist() == tokenizer(text.read_text())["input_ids"][:16]
     with pytest.raises(UsageError, match=rf"data.tokenizer={tmp_path}: the folder has no tokenizer.json"):
         TextData(path=str(text), tokenizer=str(tmp_path), block_size=16)
+
+
+def test_lora_trains_only_its_adapter_the_same_however_the_batch_is_split_resumes_bitwise_and_exports_both(
+        tmp_path, pretrained):
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    # Text in fixed windows (data=text, tokenized by the folder's tokenizer). Across layouts a transformers GPT-2
+    # agrees to about 1e-7, not bitwise as models/gpt.py does (cause not found yet): compared within 1e-5, as
+    # padded documents are (test_contract.py). A resume is the same layout again, and bitwise.
+    def args(run_dir, *extra):
+        return ["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=48", "data.batch_size=4",
+                "model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}", "optimizer.lr=3e-3",
+                "trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.monitor=null", *QUIET,
+                f"hydra.run.dir={run_dir}", *extra]
+
+    two, one, killed = tmp_path / "two_processes", tmp_path / "one_accumulating", tmp_path / "killed"
+    run(args(two), nproc=2)
+
+    def accumulating(run_dir):
+        return args(run_dir, "trainer.gradient_accumulation_steps=2")
+
+    run(accumulating(one))
+    losses = scalars(one, "train/loss")
+    assert max(abs(scalars(two, "train/loss")[s] - losses[s]) for s in losses) <= 1e-5
+    assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
+    banner = re.search(r"parameters\s+: ([\d,]+) \(([\d,]+) trainable", (two / "train.log").read_text())
+    total, trainable = (int(n.replace(",", "")) for n in banner.groups())
+    assert 0 < trainable < total / 10  # the adapter: 2 layers x r 4 x (32 + 96)
+
+    # The merged export differs from the pretrained weights in the adapted matrices only.
+    before, after = load_file(pretrained / "model.safetensors"), exported_weights(two)
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed == {f"transformer.h.{i}.attn.c_attn.weight" for i in range(2)}
+    # ... and the adapter folder, on the pretrained model, is the same model.
+    base = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
+    adapted = peft.PeftModel.from_pretrained(base, two / "model" / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(two / "model").eval()
+    ids = torch.randint(0, VOCAB, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits)
+
+    kill_when(accumulating(killed), 1, ready=lambda: (killed / "checkpoints" / "step_00000003").is_dir())
+    run([*accumulating(killed), "resume=auto"])
+    assert scalars(killed, "train/loss") == scalars(one, "train/loss")
+    assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0

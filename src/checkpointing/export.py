@@ -3,10 +3,13 @@
 <dir>/model.safetensors  weights (tied weights stored once)
 <dir>/config.yaml        the model config with `_target_`, data-derived sizes resolved: load_exported_model
 <dir>/config.json        transformers models only (save_pretrained): AutoModelForCausalLM.from_pretrained(<dir>)
+<dir>/adapter/           model.peft only: the adapter alone (PeftModel.from_pretrained(base, <dir>/adapter));
+                         <dir> itself then holds the model with the adapter merged in
 <dir>/tokenizer.json ... a pretrained transformers model's tokenizer files, carried on from its folder
 <dir>/vocabulary.json    text data: how text became ids (bytes, the characters, or tokenizer.json): sample.py
 """
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -36,7 +39,13 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
     state_dict = whole_state_dict(accelerator, model)
     if accelerator.is_main_process:
-        if hasattr(unwrapped, "save_pretrained"):  # a transformers model: also a Hugging Face folder
+        if hasattr(unwrapped, "merge_and_unload"):  # peft: the adapter alone, and the model it adapts merged
+            unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict)
+            merged = copy.deepcopy(unwrapped).merge_and_unload()  # a copy: training goes on with the adapter
+            merged.save_pretrained(tmp)
+            for file in tokenizer_files(merged):
+                shutil.copy2(file, tmp / file.name)
+        elif hasattr(unwrapped, "save_pretrained"):  # a transformers model: also a Hugging Face folder
             unwrapped.save_pretrained(tmp, state_dict=state_dict)  # safetensors
             for file in tokenizer_files(unwrapped):
                 shutil.copy2(file, tmp / file.name)

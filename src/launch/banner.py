@@ -11,7 +11,8 @@ from omegaconf import DictConfig
 from src.launch.settings import LaunchSettings, launched_world_size
 
 
-def describe_launch(accelerator: Accelerator, cfg: DictConfig, settings: LaunchSettings, run_dir: Path) -> str:
+def describe_launch(accelerator: Accelerator, cfg: DictConfig, settings: LaunchSettings, run_dir: Path,
+                    model: torch.nn.Module) -> str:
     per_process = cfg.data.get("batch_size", "?")
     accumulation = settings.gradient_accumulation_steps.value
     rows = {
@@ -30,12 +31,20 @@ def describe_launch(accelerator: Accelerator, cfg: DictConfig, settings: LaunchS
         if isinstance(per_process, int) else "?",
         "optimizer steps": cfg.trainer.max_steps,
         "model": cfg.model._target_,
+        "parameters": _parameters(accelerator.unwrap_model(model)),
         "data": cfg.data._target_,
         "objective": cfg.objective._target_,
         "command": " ".join(sys.argv),
     }
     width = max(map(len, rows))
     return "\n".join(["=" * 80] + [f"{k:<{width}} : {v}" for k, v in rows.items()] + ["=" * 80])
+
+
+def _parameters(model: torch.nn.Module) -> str:
+    """All and trainable: a LoRA adapter (model.peft) trains a small fraction of the model."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"{total:,} ({trainable:,} trainable, {100 * trainable / max(total, 1):.2f}%)"
 
 
 def _nodes() -> int:

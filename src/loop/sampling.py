@@ -40,7 +40,7 @@ def _continuation(model, ids: list[int], max_new_tokens: int, temperature: float
     if hasattr(model, "generation_config"):  # transformers: its own generate, bounded by its positions
         idx = idx[:, -(block_size - 1):]
         new = min(max_new_tokens, block_size - idx.shape[1])
-        out = model.generate(idx, attention_mask=torch.ones_like(idx), do_sample=True, max_new_tokens=new,
+        out = model.generate(input_ids=idx, attention_mask=torch.ones_like(idx), do_sample=True, max_new_tokens=new,
                              temperature=temperature, top_k=top_k or 0, top_p=1.0, pad_token_id=0)
     else:  # ours (src/models/gpt.py): it crops its context to the block size itself
         out = model.generate(idx, max_new_tokens, temperature, top_k)

@@ -39,6 +39,9 @@ def causal_lm_from_config(
         "master weights)")] = None,
     attn_implementation: Annotated[Optional[str], Arg(
         "transformers' attention kernel: eager, sdpa, flash_attention_2, ... (null: transformers' choice)")] = None,
+    peft: Annotated[Optional[dict], Arg(
+        "a peft config as a mapping, e.g. {peft_type: LORA, r: 8, lora_alpha: 16, target_modules: [c_attn]} "
+        "(task_type CAUSAL_LM by default): only the adapter trains (needs peft, requirements-extras.txt)")] = None,
 ) -> Any:
     try:
         import torch
@@ -60,7 +63,23 @@ def causal_lm_from_config(
         raise UsageError(f"model.block_size={block_size} exceeds the {positions} positions of {source}")
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if peft:
+        model = _with_adapter(model, dict(peft))
     return model
+
+
+def _with_adapter(model: Any, peft_config: dict) -> Any:
+    """The model with a peft adapter: its own weights frozen, the adapter's trainable. The export holds both the
+    adapter (model/adapter) and the model with the adapter merged in (src/checkpointing/export.py)."""
+    try:
+        from peft import get_peft_config, get_peft_model
+    except ImportError as error:
+        raise UsageError("model.peft needs peft: pip install -r requirements-extras.txt") from error
+    try:
+        config = get_peft_config({"task_type": "CAUSAL_LM", **peft_config})
+        return get_peft_model(model, config)
+    except (KeyError, TypeError, ValueError) as error:
+        raise UsageError(f"model.peft={peft_config}: {error}") from error
 
 
 def _inline_config(AutoConfig, config: dict) -> Any:
