@@ -111,12 +111,17 @@ def test_pretrained_weights_load_in_the_dtype_and_attention_kernel_asked_for(pre
     ("missing", "model.pretrained={p}: no such folder"),
     ("no_config", "model.pretrained={p}: no config.json in it"),
     ("positions", "model.block_size=65 exceeds the 64 positions of model.pretrained={p}"),
+    ("peft_target", "model.peft={{'peft_type': 'LORA', 'target_modules': ['q_proj']}}: Target modules {{'q_proj'}} "
+                    "not found in the base model"),
 ])
 def test_a_pretrained_folder_that_cannot_serve_is_refused_naming_the_key(tmp_path, pretrained, case, message):
     from src.models.hf_causal_lm import causal_lm_from_config
 
     folder = {"missing": tmp_path / "nothing", "no_config": tmp_path}.get(case, pretrained)
-    kwargs = {"positions": {"block_size": 65}}.get(case, {})
+    kwargs = {"positions": {"block_size": 65},
+              "peft_target": {"peft": {"peft_type": "LORA", "target_modules": ["q_proj"]}}}.get(case, {})
+    if case == "peft_target":
+        pytest.importorskip("peft")
     with pytest.raises(UsageError) as error:
         causal_lm_from_config({}, **{"block_size": 48, "pretrained": str(folder), **kwargs})
     assert message.format(p=folder) in str(error.value)
