@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokens < 1 or args.num_samples < 1 or args.temperature <= 0 or args.top_k < 0:
         parser.error("--tokens and --num-samples must be >= 1, --temperature > 0, --top-k >= 0")
     try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars would precede the text
+    except ImportError:
+        pass
+    try:
         codec = Codec.load(args.folder)
         model = load_exported_model(args.folder, args.device)
         texts = sample_texts(model, codec, [args.prompt] * args.num_samples, args.tokens, args.temperature,

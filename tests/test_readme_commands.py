@@ -84,6 +84,14 @@ NOT_RUN = {
     "optimizer.lr=5e-5": "needs a downloaded model; tests/test_finetune.py runs it with a small pretrained folder",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/RUN/model data=jsonl objective=causal_lm":
         "tests/test_finetune.py fine-tunes one run's export in another",
+    "python scripts/make_tiny_pretrained.py outputs/tiny_gpt2": "the fine-tuning walkthrough: "
+                                                                "tests/test_readme_example.py follows it verbatim",
+    "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/tiny_gpt2 data=jsonl objective=causal_lm "
+    "'model.peft={peft_type: LORA, r: 8, lora_alpha: 16, target_modules: [c_attn]}' optimizer.lr=3e-3 "
+    "trainer.max_steps=100 trainer.sample_every=50 'trainer.sample_prompts=[ROMEO:]' hydra.run.dir=outputs/lora":
+        "the fine-tuning walkthrough: tests/test_readme_example.py follows it verbatim",
+    'python sample.py outputs/lora/model --prompt "ROMEO:" --tokens 50':
+        "the fine-tuning walkthrough: tests/test_readme_example.py follows it verbatim",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=/models/gpt2 'model.peft={peft_type: LORA, r: 8, "
     "lora_alpha: 16, target_modules: [c_attn]}'": "needs a downloaded model; tests/test_finetune.py trains LoRA on a "
                                                   "small pretrained folder",

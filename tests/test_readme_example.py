@@ -1,6 +1,8 @@
-"""The README's "bring your own model, data and loss" example, followed verbatim in a copy of the repository:
-its files are new files only, and its commands train on 1 and 2 processes, export, and reload."""
+"""The README's walkthroughs, followed verbatim in a copy of the repository: "bring your own model, data and
+loss" (new files only; trains on 1 and 2 processes, exports, reloads) and fine-tuning with LoRA (a tiny
+pretrained folder, an adapter trained on local documents, samples from the export)."""
 
+import math
 import random
 import re
 import subprocess
@@ -53,3 +55,22 @@ def test_readme_example_adds_only_new_files_trains_on_one_and_two_processes_expo
                           capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"tensor\(\[-?\d", proc.stdout), proc.stdout
+
+
+def test_readme_fine_tuning_walkthrough_trains_a_lora_adapter_on_a_pretrained_folder_and_samples_from_it(tmp_path):
+    (_, commands), = blocks("finetune-run")
+    repo = copy_of_repo(tmp_path / "repo")
+    outputs = []
+    for command in commands.strip().splitlines():
+        proc = shell(command, repo)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}"
+        outputs.append(proc.stdout)
+    run_dir = repo / "outputs" / "lora"
+    losses = scalars(run_dir, "train/loss")
+    assert losses[10] < math.log(512) - 1  # the folder's weights: random ones score ln 512 = 6.2
+    assert losses[100] < losses[10] - 0.05  # logged every trainer.log_every=10 steps
+    log = (run_dir / "train.log").read_text()
+    assert "sample 0 at step 50:\nROMEO:" in log and "sample 0 at step 100:\nROMEO:" in log
+    assert re.search(r"parameters\s+: [\d,]+ \([\d,]+ trainable, [0-4]\.\d\d%\)", log)  # the adapter only
+    assert (run_dir / "model" / "adapter" / "adapter_config.json").is_file()
+    assert outputs[-1].startswith("ROMEO:") and len(outputs[-1]) > len("ROMEO:") + 20

@@ -158,6 +158,9 @@ class TextData(TokenStream):
             vocabulary = hashlib.blake2b(vocabulary.encode(), digest_size=8).hexdigest()
         return {**super().fingerprint(), "vocabulary": vocabulary}
 
+    def decode(self, ids: list[int]) -> str:
+        return self.codec.decode(ids)
+
 
 class TokenData(TokenStream):
     """nanoGPT's format: a flat uint16 array of token ids, memory-mapped so it may exceed RAM."""
