@@ -37,6 +37,7 @@ PARTNERS = {
     "model=resnet": ["data=cifar10"],
     "data=cifar10": ["model=resnet"],
     "data=jsonl": ["objective=causal_lm"],
+    "data=hf_dataset": ["objective=causal_lm", "data.path=corpus.parquet"],
     "experiment=owt_tokens": ["data.path=train.bin"],
 }
 

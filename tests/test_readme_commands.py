@@ -84,6 +84,8 @@ NOT_RUN = {
     "optimizer.lr=5e-5": "needs a downloaded model; tests/test_finetune.py runs it with a small pretrained folder",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/RUN/model data=jsonl objective=causal_lm":
         "tests/test_finetune.py fine-tunes one run's export in another",
+    "accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=corpus.parquet data.packing=true "
+    "objective=causal_lm": "needs a dataset of the user's; tests/test_hf_dataset.py trains on Parquet it writes",
     "python scripts/make_tiny_pretrained.py outputs/tiny_gpt2": "the fine-tuning walkthrough: "
                                                                 "tests/test_readme_example.py follows it verbatim",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/tiny_gpt2 data=jsonl objective=causal_lm "

@@ -1,0 +1,170 @@
+"""Documents from a local Hugging Face dataset, through `datasets`: Parquet, JSON Lines, CSV or Arrow files, a
+folder of them, or a folder written by `save_to_disk`. No hub, no network.
+
+    accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=corpus.parquet objective=causal_lm
+    ... data.packing=true data.mask_boundaries=true        # fixed blocks of concatenated documents
+
+`data.text_column` is tokenized (by bytes, a tokenizers JSON file, or a pretrained model's tokenizer: the default
+with `model.pretrained`) with `Dataset.map`, whose cache the next run reuses. The main process of each machine
+maps first; the others then read its cache, so no two processes of a machine tokenize at once. Batches are as
+`data=jsonl` gives them, Hugging Face's form (labels = input_ids, -100 where nothing is predicted: use
+`objective=causal_lm`): each document truncated to `block_size` and padded per batch, or with `packing` the
+documents concatenated and cut into blocks of `block_size` (a map batch's tail shorter than a block is dropped,
+as transformers' run_clm does). With `mask_boundaries` no label asks a block to predict a document's first
+token from the document before it. Validation is a named split (`val_split`) or the last `val_fraction` of the
+documents.
+"""
+
+import functools
+import hashlib
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from src.data.base import DataModule, model_size
+from src.data.jsonl import IGNORE_INDEX, pad_right
+from src.data.tokenizer import Codec, load_tokenizer
+from src.schema.errors import UsageError
+from src.schema.signature import Arg
+
+# File suffixes and the `datasets` builder that reads them.
+BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+
+
+class Rows(Dataset):
+    """A tokenized `datasets.Dataset` as samples {"input_ids", "labels"} of at most block_size tokens."""
+
+    def __init__(self, rows: Any, block_size: int):
+        self.rows, self.block_size = rows.with_format("torch"), block_size
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.rows[i]
+        ids = row["input_ids"][: self.block_size].long()
+        labels = row["labels"][: self.block_size].long() if "labels" in row else ids.clone()
+        return {"input_ids": ids, "labels": labels}
+
+
+class HFDataset(DataModule):
+    targets_are_inputs = True
+
+    def __init__(
+        self,
+        path: Annotated[str, Arg("a Parquet, JSON Lines, CSV or Arrow file, a folder of them, or a save_to_disk "
+                                 "folder")],
+        block_size: Annotated[int, Arg("tokens per sample: the longest document, or the packed block", ge=2)],
+        text_column: Annotated[str, Arg("the column holding each document's text")] = "text",
+        split: Annotated[str, Arg("the split that trains (a file read directly is the split 'train')")] = "train",
+        val_split: Annotated[Optional[str], Arg("a split that validates (null: the last val_fraction of "
+                                                "split)")] = None,
+        val_fraction: Annotated[float, Arg("without val_split: the last documents, as a fraction, validate",
+                                           gt=0, lt=1)] = 0.1,
+        tokenizer: Annotated[Optional[str], Arg("byte, a tokenizers JSON file or a from_pretrained folder holding "
+                                                "one (null: byte)")] = "byte",
+        packing: Annotated[bool, Arg("concatenate documents and cut them into blocks of block_size (no "
+                                     "padding)")] = False,
+        mask_boundaries: Annotated[bool, Arg("with packing: never predict a document's first token from the "
+                                             "document before it (label -100)")] = False,
+        **loader,
+    ):
+        super().__init__(**loader)
+        from accelerate import PartialState
+
+        if mask_boundaries and not packing:
+            raise UsageError("data.mask_boundaries=true needs data.packing=true (documents share a block only "
+                             "when packed)")
+        self.codec = Codec("tokenizer", tokenizer=load_tokenizer(tokenizer)) if tokenizer not in (None, "byte") \
+            else Codec("byte")
+        # One process per machine loads (datasets converts files to Arrow) and maps, writing the caches; the
+        # others wait, then read them.
+        with PartialState().local_main_process_first():
+            train, val = self._documents(path, split, val_split, val_fraction, text_column)
+            train, val = (self._tokenized(d, text_column, block_size, packing, mask_boundaries) for d in (train, val))
+        if len(train) == 0 or len(val) == 0:
+            raise UsageError(f"data.path={path}: no {'block' if packing else 'document'} to "
+                             f"{'train' if len(train) == 0 else 'validate'} on (data.block_size={block_size})")
+        self.train, self.val = Rows(train, block_size), Rows(val, block_size)
+        self.collate_fn = None if packing else functools.partial(pad_right, pad_id=0)
+
+    @staticmethod
+    def _documents(path: str, split: str, val_split: Optional[str], val_fraction: float, text_column: str):
+        splits = _load(path, split, val_split)
+        train = splits[split]
+        if text_column not in train.column_names:
+            raise UsageError(f"data.text_column={text_column}: {path} has no such column; its columns: "
+                             f"{', '.join(train.column_names)}")
+        if val_split is not None:
+            return train, splits[val_split]
+        n_val = max(1, int(len(train) * val_fraction))
+        if len(train) - n_val < 1:
+            raise UsageError(f"data.path={path}: {len(train)} documents are too few to train and validate")
+        return train.select(range(len(train) - n_val)), train.select(range(len(train) - n_val, len(train)))
+
+    def _tokenized(self, documents: Any, text_column: str, block_size: int, packing: bool,
+                   mask_boundaries: bool) -> Any:
+        codec = self.codec
+        # The cache key: the documents' own fingerprint (datasets keeps it as _fingerprint) and every setting
+        # of the mapping, stated rather than left to datasets' hashing of the closure (a tokenizer inside).
+        identity = hashlib.blake2b(digest_size=8)
+        for part in (documents._fingerprint, text_column, block_size, packing, mask_boundaries, codec.kind,
+                     codec.tokenizer.to_str() if codec.tokenizer else ""):
+            identity.update(str(part).encode())
+
+        def tokenize(batch: dict) -> dict:
+            ids = [codec.encode(text) for text in batch[text_column] if text]
+            return _packed(ids, block_size, mask_boundaries) if packing else {"input_ids": ids}
+
+        return documents.map(tokenize, batched=True, remove_columns=documents.column_names,
+                             new_fingerprint=identity.hexdigest(), desc="tokenizing")
+
+    @model_size
+    def vocab_size(self) -> int:
+        return self.codec.vocab_size
+
+
+def _packed(documents: list[list[int]], block_size: int, mask_boundaries: bool) -> dict:
+    """The documents end to end, cut into blocks; labels -100 where a document starts mid-block if asked."""
+    stream, starts = [], set()
+    for ids in documents:
+        starts.add(len(stream))
+        stream += ids
+    blocks = {"input_ids": [], "labels": []}
+    for begin in range(0, len(stream) - block_size + 1, block_size):
+        ids = stream[begin : begin + block_size]
+        labels = [IGNORE_INDEX if mask_boundaries and begin + t in starts and t > 0 else i for t, i in enumerate(ids)]
+        blocks["input_ids"].append(ids)
+        blocks["labels"].append(labels)
+    return blocks
+
+
+def _load(path: str, split: str, val_split: Optional[str]) -> dict[str, Any]:
+    """The splits asked for, as datasets.Dataset objects, or an error naming data.path / data.split."""
+    try:
+        from datasets import DatasetDict, load_dataset, load_from_disk
+    except ImportError as error:
+        raise UsageError("data=hf_dataset needs datasets: pip install -r requirements-extras.txt") from error
+    source = Path(path).expanduser()
+    if not source.exists():
+        raise FileNotFoundError(f"data.path={path!r}: no such file or folder (relative paths are relative to "
+                                f"{Path.cwd()})")
+    if source.is_dir() and any((source / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
+        loaded = load_from_disk(str(source))
+        if not isinstance(loaded, DatasetDict):
+            loaded = DatasetDict({"train": loaded})
+    elif source.is_file():
+        if source.suffix not in BUILDERS:
+            raise UsageError(f"data.path={path}: a {source.suffix or 'suffix-less'} file; data=hf_dataset reads "
+                             f"{', '.join(BUILDERS)} files or a save_to_disk folder")
+        loaded = load_dataset(BUILDERS[source.suffix], data_files={"train": str(source)})
+    else:
+        loaded = load_dataset(str(source))
+    wanted = [split] + ([val_split] if val_split else [])
+    missing = [name for name in wanted if name not in loaded]
+    if missing:
+        key = "data.split" if missing[0] == split else "data.val_split"
+        raise UsageError(f"{key}={missing[0]}: {path} has the splits {', '.join(loaded)}")
+    return {name: loaded[name] for name in wanted}

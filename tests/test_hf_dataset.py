@@ -1,0 +1,103 @@
+"""data=hf_dataset: a local Hugging Face dataset in any of its formats, tokenized through Dataset.map with its
+cache, padded per batch or packed into blocks, and resumed bitwise like the built-in data."""
+
+import json
+
+import pytest
+import torch
+
+from src.data.jsonl import IGNORE_INDEX
+from src.schema.errors import UsageError
+from tests.conftest import QUIET, ROOT, run, scalars
+from tests.test_checkpoint import kill_when
+
+datasets = pytest.importorskip("datasets")
+SPEECHES = [json.loads(line)["text"] for line in (ROOT / "data" / "shakespeare_speeches.jsonl").read_text().splitlines()
+            if line.strip()]
+
+
+def documents(n: int = 200) -> "datasets.Dataset":
+    return datasets.Dataset.from_dict({"text": SPEECHES[:n], "speaker": [str(i % 7) for i in range(n)]})
+
+
+@pytest.fixture
+def formats(tmp_path) -> dict:
+    """The same 200 speeches as each format data.path may name."""
+    docs = documents()
+    docs.to_parquet(str(tmp_path / "d.parquet"))
+    docs.to_json(str(tmp_path / "d.jsonl"))
+    docs.to_csv(str(tmp_path / "d.csv"), index=False)
+    docs.save_to_disk(str(tmp_path / "saved"))
+    return {"parquet": tmp_path / "d.parquet", "jsonl": tmp_path / "d.jsonl", "csv": tmp_path / "d.csv",
+            "save_to_disk": tmp_path / "saved"}
+
+
+def build(**kwargs):
+    from src.data.hf_dataset import HFDataset
+
+    return HFDataset(**{"block_size": 32, "batch_size": 4, **kwargs})
+
+
+def test_every_format_gives_the_same_byte_tokenized_documents_with_the_last_tenth_validating(formats):
+    expected = [list(text.encode())[:32] for text in SPEECHES[:200]]
+    for name, path in formats.items():
+        data = build(path=str(path))
+        assert data.vocab_size == 256 and (len(data.train), len(data.val)) == (180, 20), name
+        assert [data.train[i]["input_ids"].tolist() for i in (0, 179)] == [expected[0], expected[179]], name
+        assert data.val[19]["input_ids"].tolist() == expected[199], name
+        assert torch.equal(data.train[3]["labels"], data.train[3]["input_ids"])
+
+
+def test_a_named_validation_split_of_a_saved_dataset_dict_validates(tmp_path):
+    datasets.DatasetDict({"train": documents(100), "test": documents(10)}).save_to_disk(str(tmp_path / "dict"))
+    data = build(path=str(tmp_path / "dict"), val_split="test")
+    assert (len(data.train), len(data.val)) == (100, 10)
+    with pytest.raises(UsageError, match=r"data.val_split=validation: .* has the splits train, test"):
+        build(path=str(tmp_path / "dict"), val_split="validation")
+
+
+def test_packing_cuts_the_documents_end_to_end_into_blocks_and_masks_document_starts_when_asked(formats):
+    stream, starts = [], set()
+    for text in SPEECHES[:180]:  # the training documents; a map batch holds all of them
+        starts.add(len(stream))
+        stream += list(text.encode())
+    data = build(path=str(formats["parquet"]), packing=True, mask_boundaries=True)
+    assert len(data.train) == len(stream) // 32
+    block = data.train[5]
+    assert block["input_ids"].tolist() == stream[5 * 32 : 6 * 32]
+    masked = [t for t in range(32) if block["labels"][t] == IGNORE_INDEX]
+    assert masked == [t for t in range(1, 32) if 5 * 32 + t in starts] and masked  # a start inside this block
+    unmasked = build(path=str(formats["parquet"]), packing=True)
+    assert torch.equal(unmasked.train[5]["labels"], block["input_ids"])
+
+
+def test_a_second_build_reuses_the_map_cache(formats):
+    build(path=str(formats["save_to_disk"]))
+    cached = sorted(p.name for p in formats["save_to_disk"].glob("cache-*.arrow"))
+    assert cached  # train and validation tokenized, next to the saved dataset
+    build(path=str(formats["save_to_disk"]))
+    assert sorted(p.name for p in formats["save_to_disk"].glob("cache-*.arrow")) == cached
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"text_column": "body"}, "data.text_column=body: {path} has no such column; its columns: text, speaker"),
+    ({"split": "validation"}, "data.split=validation: {path} has the splits train"),
+    ({"mask_boundaries": True}, "data.mask_boundaries=true needs data.packing=true"),
+])
+def test_a_column_or_split_that_does_not_exist_is_refused_naming_what_there_is(formats, kwargs, message):
+    with pytest.raises(UsageError) as error:
+        build(path=str(formats["parquet"]), **kwargs)
+    assert message.format(path=formats["parquet"]) in str(error.value)
+
+
+def test_a_packed_hf_dataset_run_on_two_processes_killed_mid_run_resumes_bitwise(tmp_path, formats):
+    """Two processes of one machine: rank 0 maps first, rank 1 reads its cache; then a kill and a resume."""
+    args = ["model=hf_causal_lm", "model.config.n_layer=2", "model.config.n_embd=32", "model.config.n_head=2",
+            "model.block_size=32", "data=hf_dataset", f"data.path={formats['parquet']}", "data.packing=true",
+            "data.mask_boundaries=true", "objective=causal_lm", "data.batch_size=4", "trainer.max_steps=8",
+            "trainer.checkpoint_every=4", "trainer.monitor=null", *QUIET]
+    reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    run([*args, f"hydra.run.dir={reference}"], nproc=2)
+    kill_when([*args, f"hydra.run.dir={killed}"], 2, ready=lambda: (killed / "checkpoints" / "step_00000004").is_dir())
+    run([*args, f"hydra.run.dir={killed}", "resume=auto"], nproc=2)
+    assert scalars(killed, "train/loss") == scalars(reference, "train/loss")
