@@ -110,6 +110,7 @@ def test_pretrained_weights_load_in_the_dtype_and_attention_kernel_asked_for(pre
 @pytest.mark.parametrize("case, message", [
     ("missing", "model.pretrained={p}: no such folder"),
     ("no_config", "model.pretrained={p}: no config.json in it"),
+    ("no_weights", "model.pretrained={p}: Error no file named model.safetensors"),
     ("positions", "model.block_size=65 exceeds the 64 positions of model.pretrained={p}"),
     ("peft_target", "model.peft={{'peft_type': 'LORA', 'target_modules': ['q_proj']}}: Target modules {{'q_proj'}} "
                     "not found in the base model"),
@@ -117,7 +118,9 @@ def test_pretrained_weights_load_in_the_dtype_and_attention_kernel_asked_for(pre
 def test_a_pretrained_folder_that_cannot_serve_is_refused_naming_the_key(tmp_path, pretrained, case, message):
     from src.models.hf_causal_lm import causal_lm_from_config
 
-    folder = {"missing": tmp_path / "nothing", "no_config": tmp_path}.get(case, pretrained)
+    folder = {"missing": tmp_path / "nothing", "no_config": tmp_path, "no_weights": tmp_path}.get(case, pretrained)
+    if case == "no_weights":  # config.json alone: the weights were not copied
+        (tmp_path / "config.json").write_text((pretrained / "config.json").read_text())
     kwargs = {"positions": {"block_size": 65},
               "peft_target": {"peft": {"peft_type": "LORA", "target_modules": ["q_proj"]}}}.get(case, {})
     if case == "peft_target":
