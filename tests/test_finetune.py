@@ -15,38 +15,22 @@ from tests.conftest import QUIET, ROOT, exported_weights, max_abs_diff, run, sca
 from tests.test_checkpoint import kill_when
 
 transformers = pytest.importorskip("transformers")
-SPEECHES = ROOT / "data" / "shakespeare_speeches.jsonl"
 VOCAB = 320
 
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    """A small GPT-2 with a BPE tokenizer of its own, pretrained in this process on the speeches for a hundred
-    steps: its loss is far below that of random weights, which is how a run shows it started from it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A small GPT-2 with a BPE tokenizer of its own, pretrained briefly on tiny Shakespeare by the README's
+    scripts/make_tiny_pretrained.py: its loss is far below that of random weights, which is how a run shows it
+    started from it."""
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("make_tiny_pretrained", ROOT / "scripts" / "make_tiny_pretrained.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
     folder = tmp_path_factory.mktemp("pretrained") / "gpt2_tiny"
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train([str(SPEECHES)], trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["[PAD]", "[UNK]"]))
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(folder)
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=tokenizer.get_vocab_size(), n_positions=64, n_embd=32, n_layer=2,
-                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     bos_token_id=None, eos_token_id=None)
-    model = transformers.GPT2LMHeadModel(config)
-    texts = [json.loads(line)["text"] for line in SPEECHES.read_text().splitlines() if line.strip()]
-    ids = torch.tensor([i for text in texts for i in tokenizer.encode(text).ids])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(100):
-        starts = torch.randint(0, len(ids) - 49, (16,))
-        batch = torch.stack([ids[s : s + 48] for s in starts])
-        model(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.save_pretrained(folder)
+    script.make_tiny_pretrained(folder, ROOT / "data" / "tinyshakespeare.txt", steps=100, vocab_size=VOCAB,
+                                positions=64, n_embd=32)
     return folder
 
 
