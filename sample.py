@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from src.checkpointing.export import load_exported_model
 from src.data.tokenizer import Codec
 from src.loop.sampling import sample_texts
-from src.models.hf_causal_lm import POSITION_FIELDS
+from src.models.hf_causal_lm import positions_of
 from src.schema.errors import UsageError
 
 
@@ -28,8 +28,7 @@ def block_size_of(model: torch.nn.Module, folder: Path) -> int:
         size = OmegaConf.load(folder / "config.yaml").get("block_size")
         if size:
             return int(size)
-    config = getattr(model, "config", None)
-    return next((getattr(config, f) for f in POSITION_FIELDS if getattr(config, f, None)), 1024)
+    return positions_of(getattr(model, "config", None)) or 1024
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size
 from src.data.jsonl import IGNORE_INDEX, pad_right
-from src.data.tokenizer import Codec, load_tokenizer
+from src.data.tokenizer import codec_for
 from src.schema.errors import UsageError
 from src.schema.signature import Arg
 
@@ -77,8 +77,7 @@ class HFDataset(DataModule):
         if mask_boundaries and not packing:
             raise UsageError("data.mask_boundaries=true needs data.packing=true (documents share a block only "
                              "when packed)")
-        self.codec = Codec("tokenizer", tokenizer=load_tokenizer(tokenizer)) if tokenizer not in (None, "byte") \
-            else Codec("byte")
+        self.codec = codec_for(tokenizer)
         # One process per machine loads (datasets converts files to Arrow) and maps, writing the caches; the
         # others wait, then read them.
         with PartialState().local_main_process_first():

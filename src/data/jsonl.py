@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
-from src.data.tokenizer import Codec, load_tokenizer
+from src.data.tokenizer import codec_for
 from src.schema.signature import Arg
 
 IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)
@@ -76,7 +76,7 @@ class JsonlData(DataModule):
                 if text_key not in record:
                     raise ValueError(f"{file}:{number}: no {text_key!r} key (data.text_key); keys: {sorted(record)}")
                 texts.append(record[text_key])
-        self.codec = self._codec(tokenizer, texts)
+        self.codec = codec_for(tokenizer, texts)  # padding is id 0 (pad_right), masked wherever it appears
         documents = [ids for ids in map(self.codec.encode, texts) if ids]
         n_val = max(1, int(len(documents) * val_fraction))
         if len(documents) - n_val < 1:
@@ -84,15 +84,6 @@ class JsonlData(DataModule):
         self.train = Documents(documents[:-n_val], block_size)
         self.val = Documents(documents[-n_val:], block_size)
         self.collate_fn = functools.partial(pad_right, pad_id=0)
-
-    @staticmethod
-    def _codec(name: Optional[str], texts: list[str]) -> Codec:
-        # Padding is id 0 in every vocabulary (pad_right): it is masked everywhere it appears.
-        if name is None or name == "byte":
-            return Codec("byte")
-        if name == "char":
-            return Codec("char", "".join(sorted(set("".join(texts)))))
-        return Codec("tokenizer", tokenizer=load_tokenizer(name))
 
     @model_size
     def vocab_size(self) -> int:

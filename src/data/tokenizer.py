@@ -8,7 +8,7 @@ transformers (requirements-extras.txt); nothing is downloaded.
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from src.schema.errors import UsageError
 
@@ -91,3 +91,15 @@ class Codec:
             return cls("tokenizer", tokenizer=load_tokenizer(str(directory), "the model folder"))
         raise FileNotFoundError(f"{directory}: neither {cls.SAVED} nor {FILE}, so its text cannot be encoded: "
                                 "an export of a run on text data has one")
+
+
+def codec_for(name: Optional[str], texts: Optional[list[str]] = None, key: str = "data.tokenizer") -> Codec:
+    """data.tokenizer as a Codec: byte (also null), char (the characters of `texts`, where the option has them
+    all up front), or a tokenizers file / from_pretrained folder. Padding is id 0 in every vocabulary."""
+    if name is None or name == "byte":
+        return Codec("byte")
+    if name == "char":
+        if texts is None:
+            raise UsageError(f"{key}=char: this data option reads its documents lazily; use byte or a tokenizer")
+        return Codec("char", "".join(sorted(set("".join(texts)))))
+    return Codec("tokenizer", tokenizer=load_tokenizer(name, key))

@@ -59,8 +59,9 @@ class Sampler:
         if codec is None:
             raise UsageError("trainer.sample_every needs text data that can encode prompts (data=text, data=jsonl); "
                              "this data option has no text")
-        if not hasattr(accelerator.unwrap_model(model), "generate"):
-            raise UsageError(f"trainer.sample_every: {type(accelerator.unwrap_model(model)).__name__} has no "
+        unwrapped = accelerator.unwrap_model(model)
+        if not hasattr(unwrapped, "generate"):
+            raise UsageError(f"trainer.sample_every: {type(unwrapped).__name__} has no "
                              "generate method (models/gpt.py and transformers models do)")
         if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
             raise UsageError("trainer.sample_every needs whole weights on rank 0; with sharded weights sample from "

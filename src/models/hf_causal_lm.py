@@ -57,7 +57,7 @@ def causal_lm_from_config(
     else:
         hf_config = _inline_config(AutoConfig, dict(config))
         model = AutoModelForCausalLM.from_config(hf_config, **options)
-    positions = next((getattr(hf_config, f) for f in POSITION_FIELDS if getattr(hf_config, f, None)), None)
+    positions = positions_of(hf_config)
     if positions is not None and block_size > positions:
         source = f"model.pretrained={pretrained}" if pretrained else "model.config"
         raise UsageError(f"model.block_size={block_size} exceeds the {positions} positions of {source}")
@@ -80,6 +80,11 @@ def _with_adapter(model: Any, peft_config: dict) -> Any:
         return get_peft_model(model, config)
     except (KeyError, TypeError, ValueError) as error:
         raise UsageError(f"model.peft={peft_config}: {error}") from error
+
+
+def positions_of(hf_config: Any) -> Optional[int]:
+    """The longest sequence a transformers config's position embeddings allow (None: no such field)."""
+    return next((getattr(hf_config, f) for f in POSITION_FIELDS if getattr(hf_config, f, None)), None)
 
 
 def _inline_config(AutoConfig, config: dict) -> Any:
