@@ -79,6 +79,15 @@ def test_a_second_build_reuses_the_map_cache(formats):
     assert sorted(p.name for p in formats["save_to_disk"].glob("cache-*.arrow")) == cached
 
 
+def test_the_fingerprint_of_a_saved_dataset_names_its_files_and_ignores_the_caches_runs_add(formats):
+    saved = formats["save_to_disk"]
+    fingerprint = build(path=str(saved)).fingerprint()
+    arrow = [key for key in fingerprint if key.startswith("file ") and key.endswith(".arrow")]
+    assert arrow and not any("cache-" in key for key in arrow)
+    build(path=str(saved), packing=True)  # caches of other settings, written into the folder
+    assert build(path=str(saved)).fingerprint() == fingerprint
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"text_column": "body"}, "data.text_column=body: {path} has no such column; its columns: text, speaker"),
     ({"split": "validation"}, "data.split=validation: {path} has the splits train"),

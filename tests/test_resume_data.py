@@ -29,6 +29,34 @@ def test_the_fingerprint_is_stable_and_changes_with_the_content_the_samples_or_t
     assert text_data(file, TEXT.upper()).fingerprint()["vocabulary"] != same["vocabulary"]
 
 
+def bytes_read_by_this_process() -> int:
+    return int(next(line for line in open("/proc/self/io") if line.startswith("rchar:")).split()[1])
+
+
+def test_the_fingerprint_names_each_source_file_and_catches_an_edit_between_the_sampled_samples(tmp_path):
+    file = tmp_path / "t.txt"
+    same = text_data(file, TEXT).fingerprint()
+    assert same["file t.txt"].startswith(f"{len(TEXT.encode())} bytes, ")
+    # One character of one line: none of the 32 samples the fingerprint hashes holds it, the file's hash sees it.
+    edited = text_data(file, TEXT.replace("line 123: the quick", "line 123: the quack")).fingerprint()
+    assert edited["train sampled content"] == same["train sampled content"]
+    assert edited["file t.txt"] != same["file t.txt"]
+
+
+def test_a_large_file_is_fingerprinted_from_a_megabyte_of_it_and_still_sees_a_change_in_a_read_chunk(tmp_path):
+    from src.data.base import file_digest
+
+    big = tmp_path / "big.bin"
+    content = bytearray(64 << 20)
+    big.write_bytes(content)
+    read_before = bytes_read_by_this_process()
+    digest = file_digest(big)
+    assert bytes_read_by_this_process() - read_before < 2 << 20  # of 64 MiB
+    content[0] = 1  # the first chunk is always read
+    big.write_bytes(content)
+    assert file_digest(big) != digest
+
+
 def test_a_resume_on_other_data_is_refused_naming_what_changed_unless_accepted(tmp_path, caplog):
     checkpoint = tmp_path / "step_00000010"
     checkpoint.mkdir()
@@ -36,12 +64,21 @@ def test_a_resume_on_other_data_is_refused_naming_what_changed_unless_accepted(t
     (checkpoint / DATA_FILE).write_text(json.dumps(saved))
     assert check_same_data(checkpoint, saved, accept_changed=False) is False
     other = text_data(tmp_path / "t.txt", TEXT.replace("lazy", "hazy")).fingerprint()
-    with pytest.raises(UsageError, match=r"(?s)not what it was trained on:\n  train sampled content: '[0-9a-f]+' -> "
+    with pytest.raises(UsageError, match=r"(?s)not what it was trained on:\n  file t.txt: '21890 bytes, [0-9a-f]+' -> "
+                                         r"'21890 bytes, [0-9a-f]+'\n  train sampled content: '[0-9a-f]+' -> "
                                          r"'[0-9a-f]+'.*trainer.resume_with_changed_data=true"):
         check_same_data(checkpoint, other, accept_changed=False)
     with caplog.at_level(logging.WARNING):
         assert check_same_data(checkpoint, other, accept_changed=True) is True
     assert "continuing from an epoch boundary" in caplog.text
+
+
+def test_a_checkpoint_from_before_files_were_fingerprinted_resumes_on_its_unchanged_data(tmp_path):
+    checkpoint = tmp_path / "step_00000010"
+    checkpoint.mkdir()
+    fingerprint = text_data(tmp_path / "t.txt", TEXT).fingerprint()
+    (checkpoint / DATA_FILE).write_text(json.dumps({k: v for k, v in fingerprint.items() if not k.startswith("file ")}))
+    assert check_same_data(checkpoint, fingerprint, accept_changed=False) is False
 
 
 def test_a_run_resumed_after_its_training_file_was_replaced_stops_before_training_and_changes_nothing(tmp_path):

@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 # Keys a resumed run may change: they do not alter what is being trained, only how long and how it reports.
 SAFE_ON_RESUME = {
-    "resume", "trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every", "trainer.checkpoint_every",
+    "resume", "trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
+    "trainer.checkpoint_every",
     "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads", "data.num_workers",
     "trainer.trackers", "trainer.tracker_project", "trainer.resume_with_changed_data",
     # Sampling reads the weights with its own random state: it changes nothing trained (tests/test_sampling.py).
@@ -78,7 +79,8 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     named = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
     scopes = [key if any(_under(leaf, key) for leaf in new_leaves) else "" for key in named]
     refused, changed = [], []
-    if old_leaves.get("trainer.auto_micro_batch") and _per_process_samples(new_leaves) == _per_process_samples(old_leaves):
+    same_samples = _per_process_samples(new_leaves) == _per_process_samples(old_leaves)
+    if old_leaves.get("trainer.auto_micro_batch") and same_samples:
         # The checkpoint's micro-batch and accumulation were chosen to fit; the configured product stands.
         new_leaves.update({key: old_leaves[key] for key in ("data.batch_size", "trainer.gradient_accumulation_steps")})
     for leaf in sorted(new_leaves.keys() | old_leaves.keys()):
@@ -132,6 +134,8 @@ def check_same_data(checkpoint: Path, fingerprint: dict, accept_changed: bool) -
         log.warning("resume: %s records no fingerprint of its data: not checked", checkpoint)
         return False
     saved = json.loads(file.read_text())
+    if not any(key.startswith("file ") for key in saved):  # saved by a version that did not record files
+        fingerprint = {key: value for key, value in fingerprint.items() if not key.startswith("file ")}
     changed = [f"{key}: {saved.get(key, '(none)')!r} -> {fingerprint.get(key, '(none)')!r}"
                for key in sorted(saved.keys() | fingerprint.keys()) if saved.get(key) != fingerprint.get(key)]
     if not changed:

@@ -83,6 +83,21 @@ def _digest(items) -> str:
     return hasher.hexdigest()
 
 
+def file_digest(path: Path, chunks: int = 16, chunk_bytes: int = 1 << 16) -> str:
+    """A file's size and a hash of its content: all of it up to chunks x chunk_bytes, else that many evenly
+    spaced chunks, so a large file costs a megabyte of reading (a change in its size is caught anyway)."""
+    size = path.stat().st_size
+    hasher = hashlib.blake2b(digest_size=8)
+    with open(path, "rb") as file:
+        if size <= chunks * chunk_bytes:
+            hasher.update(file.read())
+        else:
+            for offset in _spread(size - chunk_bytes, chunks):
+                file.seek(offset)
+                hasher.update(file.read(chunk_bytes))
+    return f"{size} bytes, {hasher.hexdigest()}"
+
+
 def model_size(method: Callable) -> property:
     """Marks a property as a size the model config may reference as `${dataset:NAME}` (vocab_size, ...)."""
     method.is_model_size = True
@@ -100,6 +115,8 @@ class DataModule:
     train: Dataset
     val: Dataset
     collate_fn: Optional[Callable] = None
+    # The files it was read from, by name: the fingerprint records their sizes and content (file_digest).
+    source_files: Mapping[str, Path] = {}
     # True when the targets are the inputs themselves (Hugging Face's `labels = input_ids`), to be shifted by
     # the objective: an objective that does not shift would train the model to copy its input.
     targets_are_inputs: bool = False
@@ -130,10 +147,12 @@ class DataModule:
         return {name: getattr(self, name) for name in self.provides()}
 
     def fingerprint(self) -> dict[str, Any]:
-        """What a checkpoint records of the data it trained on, so that a resume notices other data: the sample
-        counts, the sizes the model depends on, and a hash of evenly spaced samples as the model sees them (a
-        fixed cost however large the data). Extend it with what else identifies your data (a vocabulary)."""
-        found: dict[str, Any] = dict(self.sizes())
+        """What a checkpoint records of the data it trained on, so that a resume notices other data: the source
+        files (size and content, file_digest), the sample counts, the sizes the model depends on, and a hash of
+        evenly spaced samples as the model sees them (each a fixed cost however large the data). Extend it with
+        what else identifies your data (a vocabulary)."""
+        found: dict[str, Any] = {f"file {name}": file_digest(path) for name, path in sorted(self.source_files.items())}
+        found.update(self.sizes())
         for name, dataset in (("train", self.train), ("validation", self.val)):
             if isinstance(dataset, Sized):
                 found[f"{name} samples"] = len(dataset)

@@ -69,6 +69,7 @@ class Cifar10Data(DataModule):
                 f"data.root={root!r} must hold CIFAR-10's binary files (data_batch_*.bin and test_batch.bin); "
                 "scripts/make_synthetic_cifar10.py writes a small set in that format"
             )
+        self.source_files = {file.name: file for file in [*train_files, root_dir / "test_batch.bin"]}
         self.train = CifarImages(*read_records(train_files), augment=augment, seed=seed)
         self.val = CifarImages(*read_records([root_dir / "test_batch.bin"]), augment=False)
 

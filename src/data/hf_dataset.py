@@ -87,6 +87,7 @@ class HFDataset(DataModule):
             raise UsageError(f"data.path={path}: no {'block' if packing else 'document'} to "
                              f"{'train' if len(train) == 0 else 'validate'} on (data.block_size={block_size})")
         self.train, self.val = Rows(train, block_size), Rows(val, block_size)
+        self.source_files = _source_files(Path(path).expanduser())
         self.collate_fn = None if packing else functools.partial(pad_right, pad_id=0)
 
     @staticmethod
@@ -138,6 +139,15 @@ def _packed(documents: list[list[int]], block_size: int, mask_boundaries: bool) 
         blocks["input_ids"].append(ids)
         blocks["labels"].append(labels)
     return blocks
+
+
+def _source_files(source: Path) -> dict[str, Path]:
+    """The files data.path names, by their path inside it; not the map caches datasets writes into a
+    save_to_disk folder (cache-*.arrow), which a run adds to."""
+    if source.is_file():
+        return {source.name: source}
+    return {str(file.relative_to(source)): file for file in sorted(source.rglob("*"))
+            if file.is_file() and not file.name.startswith(("cache-", "."))}
 
 
 def _load(path: str, split: str, val_split: Optional[str]) -> dict[str, Any]:

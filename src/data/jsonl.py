@@ -66,13 +66,15 @@ class JsonlData(DataModule):
     ):
         super().__init__(**loader)
         file = readable_file(path, "data.path")
+        self.source_files = {file.name: file}
         texts = []
         for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
             if line.strip():
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"{file}:{number}: not a JSON object ({error.msg}, column {error.colno})") from None
+                    raise ValueError(f"{file}:{number}: not a JSON object ({error.msg}, "
+                                     f"column {error.colno})") from None
                 if text_key not in record:
                     raise ValueError(f"{file}:{number}: no {text_key!r} key (data.text_key); keys: {sorted(record)}")
                 texts.append(record[text_key])

@@ -117,7 +117,9 @@ class TextData(TokenStream):
         **stream,
     ):
         super().__init__(**stream)
-        raw = readable_file(path, "data.path").read_bytes()
+        file = readable_file(path, "data.path")
+        self.source_files = {file.name: file}
+        raw = file.read_bytes()
         self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
         if self.tokenizer is not None:
             ids = self.tokenizer.encode(_utf8(raw, path)).ids
@@ -173,6 +175,7 @@ class TokenData(TokenStream):
     ):
         super().__init__(**stream)
         file = readable_file(path, "data.path")
+        self.source_files = {file.name: file}
         if file.stat().st_size % 2:
             raise ValueError(f"data.path={path}: {file.stat().st_size} bytes is not a multiple of 2 "
                              "(a flat array of uint16 token ids)")
