@@ -81,9 +81,9 @@ def train(cfg: DictConfig) -> float | None:
     export = lambda directory, module=model: export_model(accelerator, module, cfg.model, directory,  # noqa: E731
                                                           data.codec)
     checkpointer = Checkpointer(accelerator, run_dir, cfg, export, run.data_fingerprint)
-    preemption = PreemptionWatch()
+    preemption = PreemptionWatch(accelerator.num_processes)  # SIGTERM, SIGUSR1/2, Ctrl-C: save, then stop
     guard = NonFiniteGuard(accelerator, optimizer, scheduler, ema, trainer.nonfinite, trainer.max_consecutive_skips,
-                           run_dir, preemption)
+                           run_dir)
     hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s, accelerator.num_processes)
     sampler = Sampler(accelerator, trainer, data.codec, model, cfg.model.get("block_size") or 0)
     early_stopping = EarlyStopping(trainer.monitor, trainer.monitor_mode, trainer.early_stopping_patience,
@@ -133,7 +133,8 @@ def train(cfg: DictConfig) -> float | None:
         logging_step = state.step % trainer.log_every == 0
         done = state.step >= trainer.max_steps
         evaluating = done or (trainer.eval_every and state.step % trainer.eval_every == 0)
-        if logging_step or evaluating or checkpointer.saves_at(state.step):
+        signalled = preemption.step_finished()  # the same on every rank
+        if logging_step or evaluating or signalled or checkpointer.saves_at(state.step):
             guard.settle()  # stops at a non-finite step before anything of it is logged or saved; counts skips
         logged = {}
         if logging_step:
@@ -159,7 +160,7 @@ def train(cfg: DictConfig) -> float | None:
         stop_reason = None
         if not done and early_stopping.should_stop(step_metrics, state):
             stop_reason = early_stopping.reason(state)
-        elif not done and preemption.stop_agreed():
+        elif not done and signalled:
             stop_reason = "preempted"
             log.warning("stopping at step %d on %s: saving a checkpoint", state.step, preemption.describe())
         stopping = stop_reason is not None
@@ -169,6 +170,7 @@ def train(cfg: DictConfig) -> float | None:
         if stopping:
             break
     progress.close()
+    preemption.close()
     if early_stopping.already_stopped(state):
         stop_reason = early_stopping.reason(state)
         log.info("%s: stopped at step %d of %d", stop_reason, state.step, trainer.max_steps)

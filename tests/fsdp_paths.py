@@ -18,7 +18,6 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from src.checkpointing.export import export_model, load_exported_model
 from src.faults.nonfinite import NonFiniteGuard, NonFiniteStep, plain
-from src.faults.preemption import PreemptionWatch
 from src.loop.forward import Forward
 from src.models.gpt import GPT  # noqa: E402
 from src.objectives.classification import CrossEntropy
@@ -50,7 +49,7 @@ assert all(torch.allclose(clipped[name], p.grad, atol=1e-6) for name, p in whole
 with tempfile.TemporaryDirectory() as tmp:
     optimizer = torch.optim.AdamW(sharded.parameters(), fused=True)  # found_inf: a bad step changes nothing
     before = {name: plain(p).clone() for name, p in sharded.named_parameters()}
-    guard = NonFiniteGuard(accelerator, optimizer, None, None, "error", 3, Path(tmp), PreemptionWatch())
+    guard = NonFiniteGuard(accelerator, optimizer, None, None, "error", 3, Path(tmp))
     assert guard.step_is_finite(1, loss, norm)
     guard.settle()  # a finite step: nothing to report
     nan_loss = forward.loss_sum(sharded, x, y) * float("nan")

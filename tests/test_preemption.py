@@ -81,12 +81,12 @@ def test_ctrl_c_finishes_the_step_saves_and_says_how_to_resume_and_a_second_one_
     from src.checkpointing.layout import complete_checkpoints
 
     run_dir = tmp_path / "run"
-    # Loader workers, and a stop that waits for the step that logs: the workers must live on after the Ctrl-C.
-    args = [a for a in args_for(run_dir, 100000) if not a.startswith("trainer.log_every")]
-    args += ["data.num_workers=2", "trainer.log_every=8"]
+    # Loader workers: they must live on after the Ctrl-C. No step logs or saves between 50 and 100.
+    args = [a for a in args_for(run_dir, 100000) if not a.startswith(("trainer.log_every", "trainer.checkpoint"))]
+    args += ["data.num_workers=2", "trainer.log_every=1000", "trainer.checkpoint_every=50"]
     proc = subprocess.Popen(launch_command("train.py", 1) + args, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    wait_for(lambda: (run_dir / "checkpoints" / "step_00000010").is_dir(), proc)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000050").is_dir(), proc)
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, output[-3000:]
@@ -95,23 +95,25 @@ def test_ctrl_c_finishes_the_step_saves_and_says_how_to_resume_and_a_second_one_
     assert f"to continue: the same command with resume=auto hydra.run.dir={run_dir}" in output
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
     stopped_at = json.loads((run_dir / "summary.json").read_text())["steps"]
+    assert 50 < stopped_at < 100  # the step in progress, not the next one that logs or saves
     assert complete_checkpoints(run_dir)[-1].name == f"step_{stopped_at:08d}"
 
-    # The first Ctrl-C now waits for step 1000, the next that logs or saves: a second one comes meanwhile.
-    args = [a for a in args if not a.startswith(("trainer.log_every", "trainer.checkpoint_every"))]
-    args += ["trainer.log_every=1000", "trainer.checkpoint_every=1000"]
-    proc = subprocess.Popen(launch_command("train.py", 1) + args + ["resume=auto"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    wait_for(lambda: (run_dir / "train.log").read_text().count("deterministic kernels") == 2, proc)  # its banner
-    time.sleep(1)  # training on
-    os.killpg(proc.pid, signal.SIGINT)
-    time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGINT)
-    output, _ = proc.communicate(timeout=60)
+    # A second Ctrl-C while the first one's step is still running: steps of a larger model take long enough.
+    run_dir, log = tmp_path / "run2", tmp_path / "run2.out"
+    args = [*args_for(run_dir, 100000), "model.n_embd=128", "data.batch_size=32", "trainer.eval_batches=1",
+            "trainer.checkpoint_every=2"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(launch_command("train.py", 1) + args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        wait_for(lambda: (run_dir / "checkpoints" / "step_00000002").is_dir(), proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        wait_for(lambda: "Interrupted: finishing the step" in log.read_text(), proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    output = log.read_text()
     assert proc.returncode == 130 and "Interrupted again: stopping now, without saving" in output, output[-3000:]
-    assert "Traceback" not in output and "KeyboardInterrupt" not in output
-    resumed = run([*args_for(run_dir, 100000)[:-2], "trainer.max_steps=60", f"hydra.run.dir={run_dir}",
-                   "resume=auto"])
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output and "stopping at step" not in output
+    resumed = run([*args[:-1], "trainer.checkpoint_every=1000", "trainer.max_steps=5", "resume=auto"])
     assert "resumed from" in resumed.stdout  # what the second Ctrl-C left is a resumable run
 
 
@@ -119,14 +121,16 @@ def test_ctrl_c_to_a_two_process_launch_stops_both_ranks_at_one_step_with_one_ch
     """The launcher (torch's elastic agent) passes the SIGINT on to its workers; it then reports the signal
     with a traceback of its own, which is not ours to silence."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(launch_command("train.py", 2) + args_for(run_dir, 100000), cwd=ROOT,
+    args = [*args_for(run_dir, 100000), "trainer.log_every=1000", "trainer.checkpoint_every=50"]
+    proc = subprocess.Popen(launch_command("train.py", 2) + args, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    wait_for(lambda: (run_dir / "checkpoints" / "step_00000010").is_dir(), proc)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000050").is_dir(), proc)
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode != 0 and "on SIGINT" in output and "KeyboardInterrupt" not in output, output[-3000:]
     assert output.count("Interrupted: finishing the step") == 1  # rank 0 says it, for the run
     stopped_at = json.loads((run_dir / "summary.json").read_text())["steps"]
+    assert 50 < stopped_at < 100  # the step in progress or the next, not the next one that logs or saves
     newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     assert newest.name == f"step_{stopped_at:08d}"
     assert {p.name for p in newest.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}

@@ -18,8 +18,7 @@ closed-form LambdaLR) reads the verdict every step instead: one small sync, as b
 With fp16 a GradScaler is at work: an overflowing gradient is its business (it skips that step, and the LR
 schedule with it, and lowers its scale), so only a non-finite loss counts here.
 
-The ranks agree on the verdicts with one small all-reduce at `settle`, which also carries their preemption
-votes (src/faults/preemption.py), so a stop signal is acted on there too.
+The ranks agree on the verdicts with one small all-reduce at `settle`.
 """
 
 from typing import Optional
@@ -29,7 +28,6 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch.optim.lr_scheduler import LambdaLR
 
-from src.faults.preemption import PreemptionWatch
 from src.schema.errors import UsageError
 
 NO_STEP = float("inf")  # "no such step yet": the identity of the MIN that finds the first over ranks
@@ -46,9 +44,9 @@ def plain(tensor: torch.Tensor) -> torch.Tensor:
 
 class NonFiniteGuard:
     def __init__(self, accelerator: Accelerator, optimizer, scheduler, ema, mode: str, max_consecutive_skips: int,
-                 run_dir, preemption: PreemptionWatch):
+                 run_dir):
         self.accelerator, self.mode, self.max_consecutive = accelerator, mode, max_consecutive_skips
-        self.run_dir, self.preemption = run_dir, preemption
+        self.run_dir = run_dir
         # The torch objects inside accelerate's AcceleratedOptimizer and AcceleratedScheduler.
         self.optimizer = getattr(optimizer, "optimizer", optimizer)
         self.scheduler = getattr(scheduler, "scheduler", scheduler)
@@ -93,12 +91,9 @@ class NonFiniteGuard:
         return True
 
     def _read_now(self, step: int, bad: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        flags = torch.stack([bad.float(), self.preemption.local_flag(bad.device)])
         if self.accelerator.num_processes > 1:
-            flags = self.accelerator.reduce(flags, "sum")
-        any_bad, stop_votes = flags.tolist()
-        self.preemption.agree(stop_votes)
-        if not any_bad:
+            bad = self.accelerator.reduce(bad.float(), "sum")
+        if not bad.item():
             self.consecutive = 0
             return True
         if self.mode == "skip" and self.consecutive < self.max_consecutive:
@@ -109,16 +104,14 @@ class NonFiniteGuard:
 
     def settle(self) -> None:
         """Where the host learns what the device decided since the last settle: raises NonFiniteStep at the
-        first step that stops the run, counts the skipped steps and moves the LR schedule back by as many, and
-        has the ranks agree on preemption. Every rank calls it before anything is logged, evaluated or saved."""
+        first step that stops the run, counts the skipped steps and moves the LR schedule back by as many. Every
+        rank calls it before anything is logged, evaluated or saved."""
         if self.reads_every_step:
             return
-        # One MIN over ranks: the earliest stopping step anywhere, and 0 for "a stop signal arrived" anywhere.
-        flags = torch.stack([self.stop_at[0], 1 - self.preemption.local_flag(self.stop_at.device)])
+        stop_at = self.stop_at[0].clone()
         if self.accelerator.num_processes > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        stop_at, no_signal = flags.tolist()
-        self.preemption.agree(1 - no_signal)
+            dist.all_reduce(stop_at, op=dist.ReduceOp.MIN)  # the earliest stopping step anywhere
+        stop_at = stop_at.item()
         if stop_at != NO_STEP:
             # The norm is this rank's record of that step (a rank whose own loss was finite may have none).
             norm = self.stop_at[1].item() if self.stop_at[0].item() == stop_at else float("nan")

@@ -1,10 +1,12 @@
 """Stopping cleanly when the cluster asks: SIGUSR1 (SLURM's warning before the time limit, as the sbatch
 scripts ask for it), SIGUSR2 (the same, as submitit asks for it) or SIGTERM.
 
-The handler only sets a flag. The ranks agree on it (the signal may have reached only some of them) in the
-collective the non-finite check makes anyway (src/faults/nonfinite.py), so stopping costs no collective and no host
-sync of its own: at the next step that logs, evaluates or saves (at most trainer.log_every optimizer steps
-after the signal; every step where the check reads every step). Then one checkpoint is saved and the run stops.
+The handler only sets a flag; the loop asks `step_finished` after every optimizer step whether to stop there.
+On one process that is the flag itself: the run stops after the step the signal arrived in. On several, the
+ranks must agree (the signal may have reached only some of them, or each at another point of its step): each
+rank's vote travels through a small all-reduce on a CPU (gloo) group in the background during the next step,
+so agreeing neither waits for the device nor stalls a step, and every rank stops after the same step, the one
+after the signal's. Then one checkpoint is saved and the run stops.
 After the warning signals, rank 0 requeues the SLURM job, which resumes from that checkpoint with
 resume=auto. SIGTERM saves too but does not requeue: it is what `scancel` sends, and a job SLURM preempts with
 PreemptMode=REQUEUE is requeued by SLURM itself. The process then exits with PREEMPTED_EXIT_CODE, so a wrapper
@@ -22,6 +24,7 @@ import subprocess
 import sys
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 
 from src.faults.run_dir_lock import release_run_dirs
@@ -35,11 +38,15 @@ STOP_SIGNALS = (*REQUEUE_SIGNALS, signal.SIGTERM, signal.SIGINT)
 
 
 class PreemptionWatch:
-    def __init__(self):
+    def __init__(self, num_processes: int = 1):
         self.received: int | None = None
         self.agreed = False
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._on_signal)
+        # Every rank creates it here, as new_group requires; gloo whatever the training backend, so that a
+        # vote is a host-side message and never waits on the device's queue.
+        self.group = dist.new_group(backend="gloo") if num_processes > 1 else None
+        self.vote, self.in_flight = torch.zeros(1), None
 
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
@@ -52,17 +59,25 @@ class PreemptionWatch:
                   "without saving).", file=sys.stderr, flush=True)
         self.received = signum  # nothing else here: the loop decides when it is safe to stop
 
-    def local_flag(self, device: torch.device) -> torch.Tensor:
-        """This rank's vote, for the step's collective (1.0: a stop signal arrived here)."""
-        return torch.tensor(float(self.received is not None), device=device)
-
-    def agree(self, votes: float) -> None:
-        """The sum of every rank's vote, as the step's collective returned it."""
-        self.agreed = votes > 0
-
-    def stop_agreed(self) -> bool:
-        """True on every rank once any rank has received a stop signal (as of this step's agreement)."""
+    def step_finished(self) -> bool:
+        """Whether every rank stops after this step: the same answer on every rank, each calling it once per
+        optimizer step. Several processes: the votes sent after the previous step decide, and this step's go."""
+        if self.group is None:
+            self.agreed = self.received is not None
+            return self.agreed
+        if self.in_flight is not None:
+            self.in_flight.wait()  # sent a step ago: normally long arrived
+            self.agreed = self.vote.item() > 0
+        if not self.agreed:
+            self.vote = torch.tensor([float(self.received is not None)])
+            self.in_flight = dist.all_reduce(self.vote, group=self.group, async_op=True)
         return self.agreed
+
+    def close(self) -> None:
+        """Waits for the vote in flight (every rank sent one), so that none is pending when the group goes."""
+        if self.in_flight is not None:
+            self.in_flight.wait()
+            self.in_flight = None
 
     def describe(self) -> str:
         return signal.Signals(self.received).name if self.received else "a signal to another rank"
