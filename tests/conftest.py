@@ -1,15 +1,20 @@
 """Shared helpers: real launches of train.py / eval.py as subprocesses, and readers for what they write."""
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+
+from tests.preloaded import Launched, PreloadedPython
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,17 +67,89 @@ def launch_command(script: str, nproc: int, launcher: str = "accelerate") -> lis
             "--main_process_port", str(free_port()), script]
 
 
+PRELOADED = PreloadedPython()
+
+
+def start(args: list[str], nproc: int = 1, launcher: str = "accelerate", new_session: bool = True,
+          quiet: bool = False, script: str = "train.py") -> "subprocess.Popen | Launched":
+    """A real launch from the repo root that runs on while the test watches it; `proc.communicate()` gives its
+    output (stdout and stderr merged). `python SCRIPT` is forked from a Python that has the libraries imported
+    (tests/preloaded.py); in its own session by default, so that a signal to its group reaches only it. `quiet`:
+    nobody reads the output (a pipe left unread would block a chatty launch)."""
+    command, env = launch_command(script, nproc, launcher), {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if command == [sys.executable, script]:
+        return PRELOADED.start([script, *args], ROOT, env, new_session)
+    return subprocess.Popen(command + args, cwd=ROOT, text=True, stdout=subprocess.DEVNULL if quiet else subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
+
+
 def run(args: list[str], script: str = "train.py", nproc: int = 1, launcher: str = "accelerate",
         check: bool = True, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a real launch from the repo root and return it (stdout and stderr merged)."""
-    proc = subprocess.run(
-        launch_command(script, nproc, launcher) + args, cwd=ROOT, text=True, timeout=timeout,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-    )
+    """Run a real launch from the repo root to its end and return it (stdout and stderr merged). Without an
+    `env` of its own, `python SCRIPT` is forked from a Python that has the libraries imported (see start)."""
+    command, full_env = launch_command(script, nproc, launcher), {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if command == [sys.executable, script] and env is None:
+        proc = PRELOADED.run([script, *args], ROOT, full_env, timeout)
+    else:
+        proc = subprocess.run(command + args, cwd=ROOT, text=True, timeout=timeout, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, env=full_env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc
+
+
+def wait_for(condition, proc, timeout: float = 120) -> None:
+    """Until condition() holds, while the launch `proc` runs (an assertion error if it ends first)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, "the run ended early"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+def kill_when(args: list[str], nproc: int, ready, timeout: float = 120) -> None:
+    """Start a real launch and SIGKILL the launcher and every process under it the moment `ready()` holds,
+    as a node failure would (torch's elastic agent starts each worker in its own session, so killing the
+    launcher's process group alone would leave the workers running)."""
+    proc = start(args, nproc, quiet=True)
+    try:
+        wait_for(ready, proc, timeout)
+    finally:
+        for pid in process_tree(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants, from /proc (SIGSTOPped first, so none can start another meanwhile)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the training processes a torchrun agent started."""
+    ranks = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if f"PPid:\t{agent_pid}\n" in status.read_text():
+                env = (status.parent / "environ").read_bytes().split(b"\0")
+                rank = next(int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK="))
+                ranks[rank] = int(status.parent.name)
+        except (OSError, StopIteration):
+            continue
+    return ranks
 
 
 def tracked_files() -> list[str]:
@@ -139,6 +216,10 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(no_gpu)
+
+
+def pytest_sessionfinish(session):
+    PRELOADED.close()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -1,11 +1,13 @@
 """`python SCRIPT ARGS` without paying for Python's imports each time: a process that has imported the libraries
-train.py uses (torch alone takes about 3 s on the 2-core CI machine) forks a child for each launch, and the child
-runs the script as `__main__` with the launch's argv, working directory and environment, its output in a file.
+train.py uses (torch, its compiler's front end and transformers take 3 to 5 s on the 2-core CI machine) forks a
+child for each launch, and the child runs the script as `__main__` with the launch's argv, working directory and
+environment, its output in a file.
 
-The child is a real process running the real program: its own pid, signals, exit status, atexit handlers and
-interpreter shutdown. What it shares with the parent is only the libraries' import (not our code: `src` is
-imported fresh by each child). Launches that this cannot stand for keep the real command (tests/conftest.py):
-several processes, a launcher, an environment of their own, or a process the test signals while it runs.
+The child is a real process running the real program: its own pid (and session, if asked), signals, exit status,
+atexit handlers and interpreter shutdown. What it shares with the parent is only the libraries' import, not our
+code: `src` is imported afresh by each child. Launches that this cannot stand for keep the real command
+(tests/conftest.py): several processes or a launcher (whose argv train.py reads from /proc), an environment of
+their own (read at import), a copy of the repository.
 """
 
 import json
@@ -15,68 +17,163 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-# Runs in the preloaded process: a request per line on stdin, answered with the child's pid and then its status.
+# Runs in the preloaded process: requests on stdin, one JSON line each; answers on stdout: {"id", "pid"} once
+# forked, {"id", "status"} once the child has exited (several children may run at once).
 SERVER = r"""
-import json, os, runpy, sys
+import gc, json, os, runpy, select, sys
 import numpy, torch, torch._dynamo, torch.utils.tensorboard, accelerate, hydra, omegaconf, safetensors.torch, tqdm
-print(json.dumps({"ready": os.getpid()}), flush=True)
-for line in sys.stdin:
-    request = json.loads(line)
-    pid = os.fork()
-    if pid == 0:  # the launch: as `python SCRIPT ARGS` would start, from here on
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        null, out = os.open(os.devnull, os.O_RDONLY), os.open(request["output"], os.O_WRONLY | os.O_TRUNC)
-        os.dup2(null, 0), os.dup2(out, 1), os.dup2(out, 2)
-        os.close(null), os.close(out)
-        sys.argv = request["argv"]
-        script = os.path.abspath(sys.argv[0])
-        sys.path[0] = os.path.dirname(script)
-        runpy.run_path(script, run_name="__main__")
-        sys.exit(0)  # the interpreter's own exit: atexit handlers, buffered output, threads
-    print(json.dumps({"pid": pid}), flush=True)
-    print(json.dumps({"status": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}), flush=True)
+try:  # the extras, where installed (the classes the model and data options load)
+    import datasets, peft, transformers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+except ImportError:
+    pass
+gc.freeze()  # the preloaded objects stay out of the children's collections (and their pages shared, not copied)
+
+
+def launch(request):
+    if request["new_session"]:
+        os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    null, out = os.open(os.devnull, os.O_RDONLY), os.open(request["output"], os.O_WRONLY | os.O_APPEND)
+    os.dup2(null, 0), os.dup2(out, 1), os.dup2(out, 2)
+    os.close(null), os.close(out)
+    sys.argv = request["argv"]
+    script = os.path.abspath(sys.argv[0])
+    sys.path[0] = os.path.dirname(script)
+    runpy.run_path(script, run_name="__main__")
+
+
+def answer(**fields):
+    os.write(1, (json.dumps(fields) + "\n").encode())
+
+
+answer(ready=os.getpid())
+children, pending = {}, b""
+while True:
+    if select.select([0], [], [], 0.01 if children else None)[0]:
+        data = os.read(0, 1 << 16)
+        if not data:
+            break
+        pending += data
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            pid = os.fork()
+            if pid == 0:  # the launch, as `python SCRIPT ARGS` would start it, from here on
+                launch(request)
+                sys.exit(0)  # the interpreter's own exit: atexit handlers, buffered output, threads
+            children[pid] = request["id"]
+            answer(id=request["id"], pid=pid)
+    while children:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            break
+        answer(id=children.pop(pid), status=os.waitstatus_to_exitcode(status))
 """
 
 
 class PreloadedPython:
     def __init__(self):
         self.server: subprocess.Popen | None = None
+        self.answers: dict[int, dict] = {}
+        self.next_id = 0
 
     def _start(self) -> None:
         self.server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self._answer(timeout=300)  # {"ready": pid}
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.answers, self.buffer = {}, b""
+        self.outputs = tempfile.TemporaryDirectory(prefix="launches_")
+        self._pump(timeout=300)  # {"ready": pid}
 
-    def _answer(self, timeout: float) -> dict:
-        if not select.select([self.server.stdout], [], [], timeout)[0]:
-            raise TimeoutError
-        line = self.server.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the preloaded Python exited ({self.server.wait()})")
-        return json.loads(line)
+    def _pump(self, timeout: float) -> None:
+        """Reads what the server has answered, waiting up to `timeout` for the first line."""
+        fd = self.server.stdout.fileno()
+        while select.select([fd], [], [], timeout)[0]:
+            data = os.read(fd, 1 << 16)
+            if not data:
+                raise RuntimeError(f"the preloaded Python exited ({self.server.wait()})")
+            self.buffer += data
+            while b"\n" in self.buffer:
+                line, self.buffer = self.buffer.split(b"\n", 1)
+                fields = json.loads(line)
+                self.answers.setdefault(fields.pop("id", -1), {}).update(fields)
+            timeout = 0
 
-    def run(self, argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-        """`python *argv` in cwd with env; stdout and stderr merged, as subprocess.run(..., text=True) gives them."""
+    def _answer(self, request_id: int, key: str, timeout: float | None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while key not in self.answers.get(request_id, {}):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return None
+            self._pump(timeout=1.0 if left is None else min(left, 1.0))
+        return self.answers[request_id][key]
+
+    def start(self, argv: list[str], cwd: Path, env: dict, new_session: bool = False) -> "Launched":
+        """`python *argv` in cwd with env, running on; stdout and stderr merged into a file."""
         if self.server is None or self.server.poll() is not None:
             self._start()
-        with tempfile.NamedTemporaryFile("r", prefix="launch_", suffix=".out") as output:
-            request = {"argv": argv, "cwd": str(cwd), "env": env, "output": output.name}
-            self.server.stdin.write(json.dumps(request) + "\n")
-            self.server.stdin.flush()
-            pid = self._answer(timeout=60)["pid"]
-            try:
-                status = self._answer(timeout=timeout)["status"]
-            except TimeoutError:
-                os.kill(pid, signal.SIGKILL)
-                self._answer(timeout=60)
-                raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, output.read()) from None
-            return subprocess.CompletedProcess([sys.executable, *argv], status, output.read())
+        self.next_id += 1
+        output = Path(self.outputs.name) / f"{self.next_id}.out"
+        output.touch()
+        request = {"id": self.next_id, "argv": argv, "cwd": str(cwd), "env": env, "output": str(output),
+                   "new_session": new_session}
+        self.server.stdin.write((json.dumps(request) + "\n").encode())
+        self.server.stdin.flush()
+        return Launched(self, self.next_id, self._answer(self.next_id, "pid", 60), [sys.executable, *argv], output)
+
+    def run(self, argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        """`python *argv` to its end, as subprocess.run(..., text=True) with stdout and stderr merged gives it."""
+        proc = self.start(argv, cwd, env)
+        output, _ = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, output)
 
     def close(self) -> None:
         if self.server is not None and self.server.poll() is None:
             self.server.stdin.close()
             self.server.wait(timeout=60)
+            self.outputs.cleanup()
+
+
+class Launched:
+    """What subprocess.Popen gives for a launch that the preloaded Python forked: pid, poll, wait, communicate,
+    send_signal, kill, returncode (the output is in `output_path` as it is written)."""
+
+    def __init__(self, server: PreloadedPython, request_id: int, pid: int, args: list[str], output_path: Path):
+        self.server, self.request_id, self.pid, self.args, self.output_path = server, request_id, pid, args, output_path
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server._answer(self.request_id, "status", timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.server._answer(self.request_id, "status", timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
+            raise subprocess.TimeoutExpired(self.args, timeout, self.output()) from None
+        return self.output(), None
+
+    def output(self) -> str:
+        return self.output_path.read_text(errors="replace")
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

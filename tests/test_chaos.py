@@ -5,14 +5,13 @@ and the run ends with the weights and losses of a run never interrupted. The kil
 import os
 import random
 import signal
-import subprocess
 import time
 
 import pytest
 from safetensors.torch import load_file
 
 from src.checkpointing.layout import complete_checkpoints
-from tests.conftest import ROOT, TINY_GPT, exported_weights, launch_command, max_abs_diff, run, scalars
+from tests.conftest import TINY_GPT, exported_weights, max_abs_diff, run, scalars, start
 
 # Where a kill lands: the first moment this marker shows, or (None) a random moment of the launch.
 MARKERS = {"save": "checkpoints/.tmp-step_*", "export": ".tmp-model*", "best export": ".tmp-model_best", "random": None}
@@ -24,7 +23,7 @@ def args_for(run_dir, max_steps: int) -> list[str]:
             "trainer.checkpoint_every=4", "trainer.monitor=eval/loss", f"hydra.run.dir={run_dir}"]
 
 
-def kill_at(proc: subprocess.Popen, run_dir, marker: str | None, rng: random.Random, timeout: float = 120) -> bool:
+def kill_at(proc, run_dir, marker: str | None, rng: random.Random, timeout: float = 120) -> bool:
     """SIGKILL the whole launch when `marker` appears (or at a random moment); False if it ended first. What an
     earlier kill left behind (a .tmp- directory) counts only once this launch makes it anew."""
     deadline = time.monotonic() + timeout
@@ -68,9 +67,7 @@ def chaos(tmp_path, nproc: int, phases: list[str], seed: int, max_steps: int) ->
     run(args_for(reference, max_steps), nproc=nproc)
     rng, kills = random.Random(seed), []
     for phase in [*phases, "finish"]:
-        proc = subprocess.Popen(launch_command("train.py", nproc) + args_for(run_dir, max_steps) + ["resume=auto"],
-                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        proc = start([*args_for(run_dir, max_steps), "resume=auto"], nproc, quiet=True)
         if phase == "finish":
             assert proc.wait(timeout=300) == 0, "the last resume failed"
             break

@@ -1,18 +1,13 @@
 """Checkpoints never lose a run: a killed run resumes to exactly the uninterrupted run's losses."""
 
-import contextlib
 import hashlib
-import os
 import shutil
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, launch_command, max_abs_diff, run, scalars
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, kill_when, max_abs_diff, run, scalars
 
 
 @pytest.fixture(scope="module")
@@ -28,42 +23,6 @@ def resumable_args(small_text: Path, max_steps: int) -> list[str]:
     return [*TINY_GPT, "model.dropout=0.1", *QUIET, f"data.path={small_text}", "data.batch_size=4",
             "trainer.gradient_accumulation_steps=2", f"trainer.max_steps={max_steps}", "trainer.checkpoint_every=10",
             "trainer.monitor=null", "trainer.keep_last_checkpoints=20"]
-
-
-def kill_when(args: list[str], nproc: int, ready, timeout: float = 120) -> None:
-    """Start a real launch and SIGKILL the launcher and every process under it the moment `ready()` holds,
-    as a node failure would (torch's elastic agent starts each worker in its own session, so killing the
-    launcher's process group alone would leave the workers running)."""
-    proc = subprocess.Popen(launch_command("train.py", nproc) + args, cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + timeout
-    try:
-        while not ready():
-            assert proc.poll() is None, "the run ended before the kill point"
-            assert time.monotonic() < deadline, "the kill point never came"
-            time.sleep(0.002)
-    finally:
-        for pid in process_tree(proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
-
-
-def process_tree(root: int) -> list[int]:
-    """`root` and all its descendants, from /proc (SIGSTOPped first, so none can start another meanwhile)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(stat.parent.name))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGSTOP)
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
 
 
 def step_dirs(run_dir: Path) -> list[str]:

@@ -100,8 +100,7 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
     import subprocess
     import time
 
-    from tests.conftest import ROOT, launch_command
-    from tests.test_preemption import wait_for, worker_pids
+    from tests.conftest import ROOT, launch_command, wait_for, worker_pids
 
     run_dir = tmp_path / "run"
     args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=100000", "trainer.checkpoint_every=5",
@@ -151,8 +150,7 @@ def test_workers_stop_when_their_launcher_is_killed_instead_of_training_on_orpha
     import subprocess
     import time
 
-    from tests.conftest import ROOT, launch_command
-    from tests.test_preemption import wait_for, worker_pids
+    from tests.conftest import ROOT, launch_command, wait_for, worker_pids
 
     run_dir = tmp_path / "run"
     args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=100000", "trainer.checkpoint_every=5",

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from src.schema.errors import UsageError
-from tests.conftest import QUIET, ROOT, exported_weights, max_abs_diff, run, scalars
-from tests.test_checkpoint import kill_when
+from tests.conftest import QUIET, ROOT, exported_weights, kill_when, max_abs_diff, run, scalars
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 320

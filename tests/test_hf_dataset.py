@@ -8,8 +8,7 @@ import torch
 
 from src.data.jsonl import IGNORE_INDEX
 from src.schema.errors import UsageError
-from tests.conftest import QUIET, ROOT, run, scalars
-from tests.test_checkpoint import kill_when
+from tests.conftest import QUIET, ROOT, exported_weights, kill_when, max_abs_diff, run, scalars
 
 datasets = pytest.importorskip("datasets")
 SPEECHES = [json.loads(line)["text"] for line in (ROOT / "data" / "shakespeare_speeches.jsonl").read_text().splitlines()
@@ -99,14 +98,19 @@ def test_a_column_or_split_that_does_not_exist_is_refused_naming_what_there_is(f
     assert message.format(path=formats["parquet"]) in str(error.value)
 
 
-def test_a_packed_hf_dataset_run_on_two_processes_killed_mid_run_resumes_bitwise(tmp_path, formats):
-    """Two processes of one machine: rank 0 maps first, rank 1 reads its cache; then a kill and a resume."""
+def test_a_packed_hf_dataset_run_of_a_transformers_model_killed_on_two_processes_resumes_bitwise(tmp_path, formats):
+    """Two processes of one machine: rank 0 maps first, rank 1 reads its cache. Then a kill and a resume of a
+    transformers model with its dropout on and accumulation: losses and weights bitwise the uninterrupted run's."""
+    dropout = [f"model.config.{key}=0.1" for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")]
     args = ["model=hf_causal_lm", "model.config.n_layer=2", "model.config.n_embd=32", "model.config.n_head=2",
-            "model.block_size=32", "data=hf_dataset", f"data.path={formats['parquet']}", "data.packing=true",
-            "data.mask_boundaries=true", "objective=causal_lm", "data.batch_size=4", "trainer.max_steps=8",
-            "trainer.checkpoint_every=4", "trainer.monitor=null", *QUIET]
+            *dropout, "model.block_size=32", "data=hf_dataset", f"data.path={formats['parquet']}", "data.packing=true",
+            "data.mask_boundaries=true", "objective=causal_lm", "data.batch_size=2",
+            "trainer.gradient_accumulation_steps=2", "trainer.max_steps=8", "trainer.checkpoint_every=4",
+            "trainer.monitor=null", *QUIET]
     reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     run([*args, f"hydra.run.dir={reference}"], nproc=2)
     kill_when([*args, f"hydra.run.dir={killed}"], 2, ready=lambda: (killed / "checkpoints" / "step_00000004").is_dir())
+    assert not (killed / "model").exists()
     run([*args, f"hydra.run.dir={killed}", "resume=auto"], nproc=2)
     assert scalars(killed, "train/loss") == scalars(reference, "train/loss")
+    assert max_abs_diff(exported_weights(reference), exported_weights(killed)) == 0

@@ -3,11 +3,9 @@
 import json
 import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, launch_command, max_abs_diff, run, scalars
+from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars, start, wait_for, worker_pids
 
 PREEMPTED_EXIT_CODE = 75
 
@@ -18,33 +16,10 @@ def args_for(run_dir: Path, max_steps: int = 400) -> list[str]:
             f"hydra.run.dir={run_dir}"]
 
 
-def wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, "the run ended early"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def worker_pids(agent_pid: int) -> dict[int, int]:
-    """rank -> pid of the training processes a torchrun agent started."""
-    ranks = {}
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            if f"PPid:\t{agent_pid}\n" in status.read_text():
-                env = (status.parent / "environ").read_bytes().split(b"\0")
-                rank = next(int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK="))
-                ranks[rank] = int(status.parent.name)
-        except (OSError, StopIteration):
-            continue
-    return ranks
-
-
 def test_sigterm_saves_a_checkpoint_exits_with_the_preempted_status_and_resume_matches(tmp_path):
     reference, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
     run(args_for(reference, 60))
-    proc = subprocess.Popen(launch_command("train.py", 1) + args_for(stopped, 60), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = start(args_for(stopped, 60))
     wait_for(lambda: (stopped / "checkpoints" / "step_00000010").is_dir(), proc)
     proc.send_signal(signal.SIGTERM)
     output, _ = proc.communicate(timeout=120)
@@ -62,8 +37,7 @@ def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step_with_one_checkpoi
     reference, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
     max_steps = 80
     run(args_for(reference, max_steps), nproc=2, launcher="torchrun")
-    proc = subprocess.Popen(launch_command("train.py", 2, "torchrun") + args_for(stopped, max_steps), cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start(args_for(stopped, max_steps), nproc=2, launcher="torchrun")
     wait_for(lambda: (stopped / "checkpoints" / "step_00000010").is_dir() and len(worker_pids(proc.pid)) == 2, proc)
     os.kill(worker_pids(proc.pid)[1], signal.SIGUSR1)  # rank 1 only
     output, _ = proc.communicate(timeout=120)
@@ -84,8 +58,7 @@ def test_ctrl_c_finishes_the_step_saves_and_says_how_to_resume_and_a_second_one_
     # Loader workers: they must live on after the Ctrl-C. No step logs or saves between 50 and 100.
     args = [a for a in args_for(run_dir, 100000) if not a.startswith(("trainer.log_every", "trainer.checkpoint"))]
     args += ["data.num_workers=2", "trainer.log_every=1000", "trainer.checkpoint_every=50"]
-    proc = subprocess.Popen(launch_command("train.py", 1) + args, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start(args)
     wait_for(lambda: (run_dir / "checkpoints" / "step_00000050").is_dir(), proc)
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
@@ -99,18 +72,15 @@ def test_ctrl_c_finishes_the_step_saves_and_says_how_to_resume_and_a_second_one_
     assert complete_checkpoints(run_dir)[-1].name == f"step_{stopped_at:08d}"
 
     # A second Ctrl-C while the first one's step is still running: steps of a larger model take long enough.
-    run_dir, log = tmp_path / "run2", tmp_path / "run2.out"
+    run_dir = tmp_path / "run2"
     args = [*args_for(run_dir, 100000), "model.n_embd=128", "data.batch_size=32", "trainer.eval_batches=1",
             "trainer.checkpoint_every=2"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(launch_command("train.py", 1) + args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        wait_for(lambda: (run_dir / "checkpoints" / "step_00000002").is_dir(), proc)
-        os.killpg(proc.pid, signal.SIGINT)
-        wait_for(lambda: "Interrupted: finishing the step" in log.read_text(), proc)
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=60)
-    output = log.read_text()
+    proc = start(args)
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000002").is_dir(), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    wait_for(lambda: "Interrupted: finishing the step" in proc.output(), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Interrupted again: stopping now, without saving" in output, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output and "stopping at step" not in output
     resumed = run([*args[:-1], "trainer.checkpoint_every=1000", "trainer.max_steps=5", "resume=auto"])
@@ -122,8 +92,7 @@ def test_ctrl_c_to_a_two_process_launch_stops_both_ranks_at_one_step_with_one_ch
     with a traceback of its own, which is not ours to silence."""
     run_dir = tmp_path / "run"
     args = [*args_for(run_dir, 100000), "trainer.log_every=1000", "trainer.checkpoint_every=50"]
-    proc = subprocess.Popen(launch_command("train.py", 2) + args, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start(args, nproc=2)
     wait_for(lambda: (run_dir / "checkpoints" / "step_00000050").is_dir(), proc)
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=120)

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, copy_of_repo, scalars, shell, tracked_files, user_env
 
 README = (ROOT / "README.md").read_text()
@@ -30,6 +32,7 @@ def write_table(path, rows: int = 2000) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow
 def test_readme_example_adds_only_new_files_trains_on_one_and_two_processes_exports_and_reloads(tmp_path):
     files, commands, snippets = blocks("example-file"), blocks("example-run"), blocks("example-python")
     assert len(files) == 4 and len(commands) == 1 and len(snippets) == 1
@@ -57,6 +60,7 @@ def test_readme_example_adds_only_new_files_trains_on_one_and_two_processes_expo
     assert re.search(r"tensor\(\[-?\d", proc.stdout), proc.stdout
 
 
+@pytest.mark.slow
 def test_readme_fine_tuning_walkthrough_trains_a_lora_adapter_on_a_pretrained_folder_and_samples_from_it(tmp_path):
     (_, commands), = blocks("finetune-run")
     repo = copy_of_repo(tmp_path / "repo")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from src.faults.run_dir_lock import LOCK_FILE, RunDirInUse, acquire_run_dir, release_run_dirs
-from tests.conftest import QUIET, ROOT, TINY_GPT, launch_command, run
+from tests.conftest import QUIET, TINY_GPT, run, start, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -137,12 +137,9 @@ def test_of_launches_racing_for_one_directory_exactly_one_wins(tmp_path):
 
 
 def test_a_second_launch_into_a_live_run_is_refused_fresh_or_resuming_and_a_killed_holder_is_resumed(tmp_path):
-    from tests.test_preemption import wait_for
-
     run_dir = tmp_path / "run"
     args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.checkpoint_every=5", f"hydra.run.dir={run_dir}"]
-    holder = subprocess.Popen(launch_command("train.py", 1) + args + ["trainer.max_steps=100000"], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    holder = start([*args, "trainer.max_steps=100000"], quiet=True)
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step_00000005").is_dir(), holder)
         config = (run_dir / "config.yaml").read_bytes()
