@@ -1,10 +1,11 @@
-"""Is the template as fast and as exact as the alternatives? Five benchmarks; results in scripts/BENCHMARKS.md.
+"""Is the template as fast and as exact as the alternatives? Six benchmarks; results in scripts/BENCHMARKS.md.
 
     python scripts/benchmark.py parity [--processes 1 2] [overrides...]   # vs a hand-written loop
     python scripts/benchmark.py nanogpt --nanogpt DIR                     # vs karpathy/nanoGPT, same recipe
     python scripts/benchmark.py startup                                   # time to the first optimizer step
     python scripts/benchmark.py checkpoint                                # save MB/s vs a raw write
     python scripts/benchmark.py gpu --nanogpt DIR                         # one GPU: GPT-2-124M vs nanoGPT
+    python scripts/benchmark.py stop-vote                                 # the per-step stop vote's cost
     python scripts/benchmark.py parity --device cuda --mixed-precision bf16 --peak-tflops 989 \
         model.n_layer=12 model.n_head=12 model.n_embd=768 model.block_size=1024 data.batch_size=16
 
@@ -587,6 +588,53 @@ def gpu(args) -> dict:
     return report
 
 
+# ------------------------------------------------------------------------------------------- stop-vote
+
+
+def stop_vote_worker(args) -> None:
+    """One rank (under torchrun): a stand-in step of matrix products, timed without a vote, with the loop's
+    asynchronous one (src/faults/preemption.py) and with a blocking all-reduce in its place, alternating."""
+    import torch
+    import torch.distributed as dist
+
+    from src.faults.preemption import PreemptionWatch
+
+    dist.init_process_group("gloo")
+    watch = PreemptionWatch(dist.get_world_size())
+    x = torch.randn(args.size, args.size)
+
+    def blocking() -> None:
+        dist.all_reduce(torch.zeros(1), group=watch.group)
+
+    votes = {"none": lambda: None, "async (the loop's)": watch.step_finished, "blocking": blocking}
+    times = {name: [] for name in votes}
+    for _ in range(args.repeats):
+        for name, vote in votes.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                for _ in range(3):
+                    x @ x
+                vote()
+            times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+    watch.close()
+    if dist.get_rank() == 0:
+        print(json.dumps({name: {"ms_per_step": round(median(t), 3), "runs": [round(v, 3) for v in t]}
+                          for name, t in times.items()}))
+    dist.destroy_process_group()
+
+
+def stop_vote(args) -> dict:
+    result = run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.processes}",
+                  f"--master_port={free_port()}", __file__, "_stop_vote", f"--steps={args.steps}",
+                  f"--size={args.size}", f"--repeats={args.repeats}"])
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    base = report["none"]["ms_per_step"]
+    for entry in report.values():
+        entry["overhead_ms"] = round(entry["ms_per_step"] - base, 3)
+    return {"processes": args.processes, **report}
+
+
 # ------------------------------------------------------------------------------------------------- main
 
 
@@ -623,15 +671,24 @@ def main() -> None:
     c.add_argument("--n-layer", type=int, default=8)
     c.add_argument("--n-embd", type=int, default=512)
     c.add_argument("--dir", default=str(ROOT / "outputs"), help="where to write (the disk runs write to)")
-    for q in (p, n, s, c, g):
+    v = commands.add_parser("stop-vote", help="the per-step stop-signal vote's cost on several CPU processes")
+    v.add_argument("--processes", type=int, default=2)
+    w = commands.add_parser("_stop_vote")  # its ranks, under torchrun
+    for q in (v, w):
+        q.add_argument("--steps", type=int, default=500)
+        q.add_argument("--size", type=int, default=512, help="the stand-in step's square matrices")
+    for q in (p, n, s, c, g, v, w):
         q.add_argument("--repeats", type=int, default=1 if q is g else 3)
     args = parser.parse_args()
     if args.command == "_hand_written":
         hand_written(args)
         return
+    if args.command == "_stop_vote":
+        stop_vote_worker(args)
+        return
     Path(getattr(args, "dir", ROOT)).mkdir(parents=True, exist_ok=True)
     report = {"parity": parity, "nanogpt": nanogpt, "startup": startup, "checkpoint": checkpoint,
-              "gpu": gpu}[args.command](args)
+              "gpu": gpu, "stop-vote": stop_vote}[args.command](args)
     if args.command == "parity":
         print(json.dumps(report, indent=2))
         print(json.dumps({k: {"weights_equal": v["weights_equal"], "step_time_ratio": v["step_time_ratio"]}
