@@ -79,8 +79,9 @@ def start(args: list[str], nproc: int = 1, launcher: str = "accelerate", new_ses
     command, env = launch_command(script, nproc, launcher), {**os.environ, "PYTHONUNBUFFERED": "1"}
     if command == [sys.executable, script]:
         return PRELOADED.start([script, *args], ROOT, env, new_session)
-    return subprocess.Popen(command + args, cwd=ROOT, text=True, stdout=subprocess.DEVNULL if quiet else subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=new_session)
+    output = subprocess.DEVNULL if quiet else subprocess.PIPE
+    return subprocess.Popen(command + args, cwd=ROOT, text=True, stdout=output, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=new_session)
 
 
 def run(args: list[str], script: str = "train.py", nproc: int = 1, launcher: str = "accelerate",

@@ -23,7 +23,7 @@ from pathlib import Path
 # Runs in the preloaded process: requests on stdin, one JSON line each; answers on stdout: {"id", "pid"} once
 # forked, {"id", "status"} once the child has exited (several children may run at once).
 SERVER = r"""
-import gc, json, os, runpy, select, sys
+import gc, json, os, select, sys, types
 import numpy, torch, torch._dynamo, torch.utils.tensorboard, accelerate, hydra, omegaconf, safetensors.torch, tqdm
 try:  # the extras, where installed (the classes the model and data options load)
     import datasets, peft, transformers
@@ -42,10 +42,16 @@ def launch(request):
     null, out = os.open(os.devnull, os.O_RDONLY), os.open(request["output"], os.O_WRONLY | os.O_APPEND)
     os.dup2(null, 0), os.dup2(out, 1), os.dup2(out, 2)
     os.close(null), os.close(out)
+    # As `python SCRIPT` sets them: argv as typed, __file__ and sys.path[0] absolute, a fresh __main__ module.
     sys.argv = request["argv"]
     script = os.path.abspath(sys.argv[0])
     sys.path[0] = os.path.dirname(script)
-    runpy.run_path(script, run_name="__main__")
+    main = types.ModuleType("__main__")
+    main.__file__, main.__cached__, main.__builtins__ = script, None, __builtins__
+    sys.modules["__main__"] = main
+    with open(script, "rb") as source:
+        code = compile(source.read(), script, "exec")
+    exec(code, main.__dict__)
 
 
 def answer(**fields):

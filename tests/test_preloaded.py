@@ -15,6 +15,9 @@ def test_a_forked_launch_trains_the_weights_a_fresh_python_does_and_fails_as_it_
     assert fresh.returncode == 0, fresh.stdout[-3000:]
     assert max_abs_diff(exported_weights(tmp_path / "forked"), exported_weights(tmp_path / "fresh")) == 0
     assert forked.stdout.count("\n") > 20  # its whole output: banner, progress, summary
+    command = [next(line for line in proc.stdout.splitlines() if line.startswith("command ")).split(" hydra.run.dir")[0]
+               for proc in (forked, fresh)]
+    assert command[0] == command[1]  # argv as typed: train.py ...
 
     refused = ["trainer.max_epochs=2", "trainer.max_steps=100", f"hydra.run.dir={tmp_path / 'r'}"]
     forked = run(refused, check=False)
