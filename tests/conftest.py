@@ -71,32 +71,33 @@ PRELOADED = PreloadedPython()
 
 
 def start(args: list[str], nproc: int = 1, launcher: str = "accelerate", new_session: bool = True,
-          quiet: bool = False, script: str = "train.py") -> "subprocess.Popen | Launched":
+          quiet: bool = False, script: str = "train.py", env: dict | None = None) -> "subprocess.Popen | Launched":
     """A real launch from the repo root that runs on while the test watches it; `proc.communicate()` gives its
-    output (stdout and stderr merged). `python SCRIPT` is forked from a Python that has the libraries imported
-    (tests/preloaded.py); in its own session by default, so that a signal to its group reaches only it. `quiet`:
-    nobody reads the output (a pipe left unread would block a chatty launch)."""
-    command, env = launch_command(script, nproc, launcher), {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if command == [sys.executable, script]:
-        return PRELOADED.start([script, *args], ROOT, env, new_session)
+    output (stdout and stderr merged). Without an `env` of its own (read at import), `python SCRIPT` is forked
+    from a Python that has the libraries imported (tests/preloaded.py). In its own session by default, so that
+    a signal to its group reaches only it. `quiet`: nobody reads the output (a pipe left unread would block a
+    chatty launch)."""
+    command, full_env = launch_command(script, nproc, launcher), {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if command == [sys.executable, script] and env is None:
+        return PRELOADED.start([script, *args], ROOT, full_env, new_session)
     output = subprocess.DEVNULL if quiet else subprocess.PIPE
-    return subprocess.Popen(command + args, cwd=ROOT, text=True, stdout=output, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=new_session)
+    return subprocess.Popen(command + args, cwd=ROOT, text=True, stdout=output, stderr=subprocess.STDOUT,
+                            env=full_env, start_new_session=new_session)
 
 
 def run(args: list[str], script: str = "train.py", nproc: int = 1, launcher: str = "accelerate",
         check: bool = True, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a real launch from the repo root to its end and return it (stdout and stderr merged). Without an
-    `env` of its own, `python SCRIPT` is forked from a Python that has the libraries imported (see start)."""
-    command, full_env = launch_command(script, nproc, launcher), {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    if command == [sys.executable, script] and env is None:
-        proc = PRELOADED.run([script, *args], ROOT, full_env, timeout)
-    else:
-        proc = subprocess.run(command + args, cwd=ROOT, text=True, timeout=timeout, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env=full_env)
+    """A real launch from the repo root, to its end (see start), as subprocess.run gives it."""
+    proc = start(args, nproc, launcher, new_session=False, script=script, env=env)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
-    return proc
+        raise AssertionError(f"{' '.join(proc.args)} exited {proc.returncode}:\n{output[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, output)
 
 
 def wait_for(condition, proc, timeout: float = 120) -> None:

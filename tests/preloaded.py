@@ -113,10 +113,10 @@ class PreloadedPython:
     def _answer(self, request_id: int, key: str, timeout: float | None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while key not in self.answers.get(request_id, {}):
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            left = 1.0 if deadline is None else deadline - time.monotonic()
+            self._pump(timeout=max(0.0, min(left, 1.0)))  # at least once, also for timeout=0 (poll)
+            if left <= 0 and key not in self.answers.get(request_id, {}):
                 return None
-            self._pump(timeout=1.0 if left is None else min(left, 1.0))
         return self.answers[request_id][key]
 
     def start(self, argv: list[str], cwd: Path, env: dict, new_session: bool = False) -> "Launched":
@@ -131,12 +131,6 @@ class PreloadedPython:
         self.server.stdin.write((json.dumps(request) + "\n").encode())
         self.server.stdin.flush()
         return Launched(self, self.next_id, self._answer(self.next_id, "pid", 60), [sys.executable, *argv], output)
-
-    def run(self, argv: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
-        """`python *argv` to its end, as subprocess.run(..., text=True) with stdout and stderr merged gives it."""
-        proc = self.start(argv, cwd, env)
-        output, _ = proc.communicate(timeout=timeout)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, output)
 
     def close(self) -> None:
         if self.server is not None and self.server.poll() is None:

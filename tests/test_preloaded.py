@@ -4,7 +4,9 @@ status and message, and a process of their own."""
 import subprocess
 import sys
 
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, start
+import pytest
+
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, start, wait_for
 
 
 def test_a_forked_launch_trains_the_weights_a_fresh_python_does_and_fails_as_it_does(tmp_path):
@@ -34,3 +36,10 @@ def test_a_forked_launch_is_a_process_of_its_own_that_a_signal_ends(tmp_path):
         == str(proc.pid)  # its own session: a signal to its group reaches it alone
     proc.kill()
     assert proc.wait(timeout=60) == -9
+
+
+def test_a_forked_launch_that_ends_early_is_seen_ending_by_poll(tmp_path):
+    proc = start(["trainer.max_epochs=2", "trainer.max_steps=100", f"hydra.run.dir={tmp_path / 'r'}"])
+    with pytest.raises(AssertionError, match="the run ended early"):
+        wait_for(lambda: False, proc, timeout=60)
+    assert proc.returncode not in (None, 0)
