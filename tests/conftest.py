@@ -70,25 +70,34 @@ def launch_command(script: str, nproc: int, launcher: str = "accelerate") -> lis
 PRELOADED = PreloadedPython()
 
 
+# Variables that the preloaded libraries do not read when imported (the tests' own, the trackers', which the
+# preloaded Python does not import): a launch that sets only these can still be forked from it.
+READ_WHEN_USED = ("AUTOCAST_RECORD", "HOST_READS_", "MLFLOW_", "WANDB_")
+
+
 def start(args: list[str], nproc: int = 1, launcher: str = "accelerate", new_session: bool = True,
-          quiet: bool = False, script: str = "train.py", env: dict | None = None) -> "subprocess.Popen | Launched":
-    """A real launch from the repo root that runs on while the test watches it; `proc.communicate()` gives its
-    output (stdout and stderr merged). Without an `env` of its own (read at import), `python SCRIPT` is forked
-    from a Python that has the libraries imported (tests/preloaded.py). In its own session by default, so that
-    a signal to its group reaches only it. `quiet`: nobody reads the output (a pipe left unread would block a
-    chatty launch)."""
-    command, full_env = launch_command(script, nproc, launcher), {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    if command == [sys.executable, script] and env is None:
-        return PRELOADED.start([script, *args], ROOT, full_env, new_session)
+          quiet: bool = False, script: str = "train.py", env: dict | None = None, command: list[str] | None = None,
+          cwd: Path = ROOT) -> "subprocess.Popen | Launched":
+    """A real launch (from the repo root unless `cwd`) that runs on while the test watches it:
+    `launch_command(script, nproc, launcher)` or the `command` given, then `args`; `proc.communicate()` gives its
+    output (stdout and stderr merged). The launch (and a launcher's workers) is forked from a Python that has the
+    libraries imported (tests/preloaded.py) unless `env` sets what they read at import. In its own session by
+    default, so that a signal to its group reaches only it. `quiet`: nobody reads the output (a pipe left unread
+    would block a chatty launch)."""
+    command = command or launch_command(script, nproc, launcher)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if command[0] == sys.executable and all(key.startswith(READ_WHEN_USED) for key in env or {}):
+        return PRELOADED.start(command[1:] + args, cwd, full_env, new_session)
     output = subprocess.DEVNULL if quiet else subprocess.PIPE
-    return subprocess.Popen(command + args, cwd=ROOT, text=True, stdout=output, stderr=subprocess.STDOUT,
+    return subprocess.Popen(command + args, cwd=cwd, text=True, stdout=output, stderr=subprocess.STDOUT,
                             env=full_env, start_new_session=new_session)
 
 
 def run(args: list[str], script: str = "train.py", nproc: int = 1, launcher: str = "accelerate",
-        check: bool = True, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """A real launch from the repo root, to its end (see start), as subprocess.run gives it."""
-    proc = start(args, nproc, launcher, new_session=False, script=script, env=env)
+        check: bool = True, timeout: int = 300, env: dict | None = None, command: list[str] | None = None,
+        cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """A real launch, to its end (see start), as subprocess.run gives it."""
+    proc = start(args, nproc, launcher, new_session=False, script=script, env=env, command=command, cwd=cwd)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -123,34 +132,39 @@ def kill_when(args: list[str], nproc: int, ready, timeout: float = 120) -> None:
         proc.wait()
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and all its descendants, from /proc (SIGSTOPped first, so none can start another meanwhile)."""
-    children: dict[int, list[int]] = {}
+def children() -> dict[int, list[int]]:
+    """parent pid -> its children's pids, from /proc."""
+    found: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
             parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(stat.parent.name))
-    tree, todo = [], [root]
+            found.setdefault(parent, []).append(int(stat.parent.name))
+    return found
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and all its descendants, from /proc (SIGSTOPped first, so none can start another meanwhile)."""
+    below, tree, todo = children(), [], [root]
     while todo:
         pid = todo.pop()
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGSTOP)
         tree.append(pid)
-        todo += children.get(pid, [])
+        todo += below.get(pid, [])
     return tree
 
 
-def worker_pids(agent_pid: int) -> dict[int, int]:
-    """rank -> pid of the training processes a torchrun agent started."""
-    ranks = {}
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            if f"PPid:\t{agent_pid}\n" in status.read_text():
-                env = (status.parent / "environ").read_bytes().split(b"\0")
-                rank = next(int(e.split(b"=")[1]) for e in env if e.startswith(b"RANK="))
-                ranks[rank] = int(status.parent.name)
-        except (OSError, StopIteration):
-            continue
+def worker_pids(launcher_pid: int) -> dict[int, int]:
+    """rank -> pid of the training processes a launcher started (its children, or a preloaded launcher's
+    zygote's: tests/preloaded_server.py)."""
+    below, ranks = children(), {}
+    todo = list(below.get(launcher_pid, []))
+    while todo:
+        pid = todo.pop()
+        todo += below.get(pid, [])
+        with contextlib.suppress(OSError, StopIteration):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            ranks[int(next(e.split(b"=")[1] for e in env if e.startswith(b"RANK=")))] = pid
     return ranks
 
 

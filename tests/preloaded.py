@@ -1,13 +1,15 @@
-"""`python SCRIPT ARGS` without paying for Python's imports each time: a process that has imported the libraries
-train.py uses (torch, its compiler's front end and transformers take 3 to 5 s on the 2-core CI machine) forks a
-child for each launch, and the child runs the script as `__main__` with the launch's argv, working directory and
-environment, its output in a file.
+"""`python SCRIPT ARGS` and `python -m LAUNCHER ARGS` without paying for Python's imports each time: a process
+that has imported the libraries train.py uses (torch, its compiler's front end and transformers take 3 to 5 s on
+the 2-core CI machine) forks a child for each launch, and the child runs the script (or the launcher's module) as
+`__main__` with the launch's argv, working directory and environment, its output in a file. A launcher's workers
+are forked in turn instead of started as `python -u SCRIPT` (tests/preloaded_server.py says how).
 
 The child is a real process running the real program: its own pid (and session, if asked), signals, exit status,
-atexit handlers and interpreter shutdown. What it shares with the parent is only the libraries' import, not our
-code: `src` is imported afresh by each child. Launches that this cannot stand for keep the real command
-(tests/conftest.py): several processes or a launcher (whose argv train.py reads from /proc), an environment of
-their own (read at import), a copy of the repository.
+atexit handlers and interpreter shutdown; a launcher is accelerate's or torch's own code, its workers real
+processes whose parent shows the launcher's command line and goes away with it. What they share with the server is
+only the libraries' import, not our code: `src` is imported afresh by each child. Launches that this cannot stand
+for keep the real command (tests/conftest.py): an environment of their own (read at import), a copy of the
+repository, a working directory elsewhere. tests/test_preloaded.py compares the two.
 """
 
 import json
@@ -20,68 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-# Runs in the preloaded process: requests on stdin, one JSON line each; answers on stdout: {"id", "pid"} once
-# forked, {"id", "status"} once the child has exited (several children may run at once).
-SERVER = r"""
-import gc, json, os, select, sys, types
-import numpy, torch, torch._dynamo, torch.utils.tensorboard, accelerate, hydra, omegaconf, safetensors.torch, tqdm
-try:  # the extras, where installed (the classes the model and data options load)
-    import datasets, peft, transformers
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
-except ImportError:
-    pass
-gc.freeze()  # the preloaded objects stay out of the children's collections (and their pages shared, not copied)
-
-
-def launch(request):
-    if request["new_session"]:
-        os.setsid()
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    null, out = os.open(os.devnull, os.O_RDONLY), os.open(request["output"], os.O_WRONLY | os.O_APPEND)
-    os.dup2(null, 0), os.dup2(out, 1), os.dup2(out, 2)
-    os.close(null), os.close(out)
-    # As `python SCRIPT` sets them: argv as typed, __file__ and sys.path[0] absolute, a fresh __main__ module.
-    sys.argv = request["argv"]
-    script = os.path.abspath(sys.argv[0])
-    sys.path[0] = os.path.dirname(script)
-    main = types.ModuleType("__main__")
-    main.__file__, main.__cached__, main.__builtins__ = script, None, __builtins__
-    sys.modules["__main__"] = main
-    with open(script, "rb") as source:
-        code = compile(source.read(), script, "exec")
-    exec(code, main.__dict__)
-
-
-def answer(**fields):
-    os.write(1, (json.dumps(fields) + "\n").encode())
-
-
-answer(ready=os.getpid())
-children, pending = {}, b""
-while True:
-    if select.select([0], [], [], 0.01 if children else None)[0]:
-        data = os.read(0, 1 << 16)
-        if not data:
-            break
-        pending += data
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            request = json.loads(line)
-            pid = os.fork()
-            if pid == 0:  # the launch, as `python SCRIPT ARGS` would start it, from here on
-                launch(request)
-                sys.exit(0)  # the interpreter's own exit: atexit handlers, buffered output, threads
-            children[pid] = request["id"]
-            answer(id=request["id"], pid=pid)
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            break
-        answer(id=children.pop(pid), status=os.waitstatus_to_exitcode(status))
-"""
-
 
 class PreloadedPython:
     def __init__(self):
@@ -90,8 +30,10 @@ class PreloadedPython:
         self.next_id = 0
 
     def _start(self) -> None:
-        self.server = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        room = " " * 16384  # for a forked launch's command line and environment (tests/preloaded_server.py)
+        self.server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("preloaded_server.py")), room],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1", "PRELOADED_SERVER_ROOM": room})
         self.answers, self.buffer = {}, b""
         self.outputs = tempfile.TemporaryDirectory(prefix="launches_")
         self._pump(timeout=300)  # {"ready": pid}
@@ -120,7 +62,8 @@ class PreloadedPython:
         return self.answers[request_id][key]
 
     def start(self, argv: list[str], cwd: Path, env: dict, new_session: bool = False) -> "Launched":
-        """`python *argv` in cwd with env, running on; stdout and stderr merged into a file."""
+        """`python *argv` (a script or `-m` a launcher) in cwd with env, running on; stdout and stderr merged into
+        a file."""
         if self.server is None or self.server.poll() is not None:
             self._start()
         self.next_id += 1

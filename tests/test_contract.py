@@ -2,7 +2,6 @@
 global batch is split, and Hugging Face models and batches work from config alone."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -15,10 +14,8 @@ SMALL = [*TINY_GPT, *QUIET, "trainer.max_steps=3", "data.batch_size=4", "trainer
 
 
 def accelerate_launch(launcher_args: list[str], overrides: list[str], env: dict | None = None):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args, "--dynamo_backend", "no",
-           "train.py", *overrides]
-    return subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300,
-                          env={**__import__("os").environ, **(env or {})})
+    return run(overrides, check=False, env=env, command=[sys.executable, "-m", "accelerate.commands.launch",
+                                                         *launcher_args, "--dynamo_backend", "no", "train.py"])
 
 
 # --- the launcher's settings -----------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, free_port, max_abs_diff, run, scalars
+from tests.conftest import (QUIET, ROOT, TINY_GPT, exported_weights, free_port, launch_command, max_abs_diff, run,
+                            scalars)
 
 
 def test_two_process_run_is_real_ddp_with_identical_replicas_and_one_set_of_outputs(tmp_path):
@@ -81,23 +82,17 @@ def test_ranks_of_one_launch_agree_on_the_default_timestamped_run_dir(tmp_path):
     """No hydra.run.dir: each rank resolves the timestamp itself, and they must all pick the same one."""
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "tinyshakespeare.txt").write_bytes((ROOT / "data" / "tinyshakespeare.txt").read_bytes()[:40000])
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(ROOT / "train.py"), *TINY_GPT, *QUIET, "trainer.max_steps=2", "data.batch_size=4"],
-        cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    run([*TINY_GPT, *QUIET, "trainer.max_steps=2", "data.batch_size=4"], cwd=tmp_path,
+        command=launch_command(str(ROOT / "train.py"), 2, "torchrun"))
     run_dirs = list((tmp_path / "outputs").iterdir())
     assert len(run_dirs) == 1, run_dirs
     assert (run_dirs[0] / "model" / "model.safetensors").is_file()
 
 
 def test_bare_num_processes_without_cuda_warns_with_the_command_that_works(tmp_path):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "train.py", *TINY_GPT, *QUIET,
-           "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'bare'}"]
-    proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'bare'}"],
+               command=[sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines",
+                        "1", "--mixed_precision", "no", "--dynamo_backend", "no", "train.py"])
     assert "The launcher was asked for 2 processes (launcher: --num_processes) but started ONE" in proc.stdout
     assert "accelerate launch --multi_gpu --num_processes 2 train.py" in proc.stdout
 

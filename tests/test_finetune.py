@@ -4,7 +4,6 @@ bitwise, and exports a folder that another run fine-tunes in turn."""
 import json
 import math
 import re
-import subprocess
 import sys
 
 import pytest
@@ -64,9 +63,8 @@ def test_a_run_starts_from_a_pretrained_folder_with_its_tokenizer_and_its_export
 
     exported = load_exported_model(second / "model")
     assert exported.get_input_embeddings().num_embeddings == VOCAB
-    sampled = subprocess.run([sys.executable, "sample.py", str(second / "model"), "--prompt", "To be", "--tokens",
-                              "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert sampled.returncode == 0 and sampled.stdout.startswith("To be"), sampled.stderr
+    sampled = run([str(second / "model"), "--prompt", "To be", "--tokens", "8"], command=[sys.executable, "sample.py"])
+    assert sampled.stdout.startswith("To be"), sampled.stdout
 
 
 def test_a_fine_tuning_run_killed_mid_run_resumes_bitwise(tmp_path, pretrained):

@@ -1,12 +1,16 @@
-"""The suite's preloaded launches (tests/preloaded.py) stand for `python train.py`: same weights, same exit
-status and message, and a process of their own."""
+"""The suite's preloaded launches (tests/preloaded.py) stand for `python train.py` and for a launcher's command:
+same weights, same exit status and message, processes of their own, and workers that see their launcher."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, start, wait_for
+from tests.conftest import (QUIET, ROOT, TINY_GPT, exported_weights, free_port, max_abs_diff, run, start, wait_for,
+                            worker_pids)
 
 
 def test_a_forked_launch_trains_the_weights_a_fresh_python_does_and_fails_as_it_does(tmp_path):
@@ -43,3 +47,43 @@ def test_a_forked_launch_that_ends_early_is_seen_ending_by_poll(tmp_path):
     with pytest.raises(AssertionError, match="the run ended early"):
         wait_for(lambda: False, proc, timeout=60)
     assert proc.returncode not in (None, 0)
+
+
+def test_a_forked_two_process_launch_trains_what_the_real_launcher_does_and_its_workers_read_its_flags(tmp_path):
+    args = [*TINY_GPT, *QUIET, "model.dropout=0.1", "trainer.max_steps=3", "data.batch_size=4"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--gradient_accumulation_steps", "2", "--dynamo_backend", "no", "train.py"]
+    forked = run([*args, f"hydra.run.dir={tmp_path / 'forked'}"], command=launcher)
+    launcher[launcher.index("train.py"):] = ["--main_process_port", str(free_port()), "train.py"]
+    fresh = subprocess.run([*launcher, *args, f"hydra.run.dir={tmp_path / 'fresh'}"], cwd=ROOT, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert fresh.returncode == 0, fresh.stdout[-3000:]
+    assert max_abs_diff(exported_weights(tmp_path / "forked"), exported_weights(tmp_path / "fresh")) == 0
+    banner = ("processes ", "distributed type ", "device ", "gradient accumulation steps ", "global batch size ")
+    lines = [[line for line in proc.stdout.splitlines() if line.startswith(banner)] for proc in (forked, fresh)]
+    assert len(lines[0]) == len(banner) and lines[0] == lines[1]
+    assert "gradient accumulation steps : 2 (launcher: --gradient_accumulation_steps)" in lines[0]
+
+    refused = run(["trainer.max_epochs=2", "trainer.max_steps=100", f"hydra.run.dir={tmp_path / 'r'}"], nproc=2,
+                  check=False)
+    assert refused.returncode == 1  # the launcher's, for a failed worker
+    assert refused.stdout.count("trainer.max_steps=100 and trainer.max_epochs=2: give one of them") == 2
+
+
+def test_the_workers_of_a_forked_launcher_stop_when_it_is_killed(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start([*TINY_GPT, *QUIET, "trainer.max_steps=100000", "trainer.checkpoint_every=5",
+                  f"hydra.run.dir={run_dir}"], nproc=2, launcher="torchrun")
+    wait_for(lambda: (run_dir / "checkpoints" / "step_00000005").is_dir() and len(worker_pids(proc.pid)) == 2, proc)
+    workers = worker_pids(proc.pid)
+    assert sorted(workers) == [0, 1]
+    proc.kill()
+    assert proc.wait(timeout=60) == -9
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") for pid in workers.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in workers.values():
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"worker {pid} trains on without its launcher")
+    assert "is gone" in (run_dir / "train.log").read_text()

@@ -1,7 +1,6 @@
 """Samples a person can read: seeded continuations of prompts during training (trainer.sample_every) and from an
 export (sample.py), which leave the training exactly as it would have been."""
 
-import subprocess
 import sys
 
 import pytest
@@ -11,7 +10,7 @@ from src.data.tokenizer import Codec
 from src.loop.sampling import sample_texts
 from src.models.gpt import GPT
 from src.schema.errors import UsageError
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
 
 CHARS = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
@@ -75,16 +74,16 @@ def test_samples_during_training_are_logged_and_change_nothing_and_sample_py_rep
     last = texts[-1].tensor_proto.string_val[0].decode()
     assert last.startswith("```\nROMEO:") and last.strip("`\n") in log
 
-    def sample(*extra):
-        return subprocess.run([sys.executable, "sample.py", str(sampled / "model"), "--prompt", "ROMEO:", *extra],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    def sample(*extra):  # its output: stdout and stderr merged
+        return run([str(sampled / "model"), "--prompt", "ROMEO:", *extra], command=[sys.executable, "sample.py"],
+                   check=False, timeout=120)
 
     once, again, other = sample("--tokens", "40", "--seed", "3"), sample("--tokens", "40", "--seed", "3"), \
         sample("--tokens", "40", "--seed", "4")
-    assert once.returncode == 0, once.stderr
+    assert once.returncode == 0, once.stdout
     assert once.stdout == again.stdout != other.stdout and once.stdout.startswith("ROMEO:")
     refused = sample("--prompt", "é")
-    assert refused.returncode == 2 and "'é' are not in the data's vocabulary" in refused.stderr
+    assert refused.returncode == 2 and "'é' are not in the data's vocabulary" in refused.stdout
 
 
 def test_sampling_is_refused_before_training_without_text_or_with_a_prompt_the_data_cannot_encode():
