@@ -41,7 +41,10 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf_home_")
 # A GPT small enough that a CPU test run takes seconds; dropout off so runs are comparable.
 TINY_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.dropout=0.0"]
-QUIET = ["trainer.log_every=1", "trainer.eval_every=0"]
+# Every step logged; evaluation only at the end, on the first 4 batches (the whole validation set took about a
+# third of a tiny run); a test's own trainer.eval_batches, given later, wins.
+EVAL_BOUND = "trainer.eval_batches=4"
+QUIET = ["trainer.log_every=1", "trainer.eval_every=0", EVAL_BOUND]
 
 
 def free_port() -> int:

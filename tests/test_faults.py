@@ -97,16 +97,14 @@ def test_a_nonfinite_evaluation_is_reported_and_never_becomes_the_best_checkpoin
 def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_nonzero_within_the_timeout(tmp_path):
     import os
     import signal
-    import subprocess
     import time
 
-    from tests.conftest import ROOT, launch_command, wait_for, worker_pids
+    from tests.conftest import start, wait_for, worker_pids
 
     run_dir = tmp_path / "run"
     args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=100000", "trainer.checkpoint_every=5",
             "trainer.hang_report_s=4", "trainer.dist_timeout_s=10", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(launch_command("train.py", 2, "torchrun") + args, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start(args, nproc=2, launcher="torchrun")
     stopped = None
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "step_00000005").is_dir() and len(worker_pids(proc.pid)) == 2, proc)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+from tests.conftest import EVAL_BOUND, QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
 
 SHORT = [*TINY_GPT, *QUIET, "data.batch_size=8", "trainer.monitor=null"]
 
@@ -144,8 +144,8 @@ def test_debug_overfit_trains_on_two_batches_and_the_loss_falls_far(tmp_path):
 
 
 def test_debug_limit_bounds_the_epoch_and_the_evaluation(tmp_path):
-    run([*SHORT, "debug=limit", "trainer.max_steps=25", "trainer.checkpoint_every=0",
-         f"hydra.run.dir={tmp_path / 'run'}"])
+    run([*(a for a in SHORT if a != EVAL_BOUND), "debug=limit", "trainer.max_steps=25", "trainer.checkpoint_every=0",
+         f"hydra.run.dir={tmp_path / 'run'}"])  # debug=limit's own bound on the evaluation, not the tests' usual one
     state = json.loads((tmp_path / "run" / "checkpoints" / "step_00000025" / "train_state.json").read_text())
     assert (state["epoch"], state["samples_into_epoch"]) == (2, 5 * 8)  # 10 batches of 8 per epoch
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["final_metrics"]["eval/samples"] == 5 * 8

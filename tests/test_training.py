@@ -85,7 +85,8 @@ def test_bf16_mixed_precision_trains_on_cpu(tmp_path):
 
 def test_eval_entry_point_reproduces_the_final_eval_metric_of_training(tmp_path):
     run_dir = tmp_path / "run"
-    run([*TINY_GPT, *QUIET, "trainer.max_steps=20", "data.batch_size=16", f"hydra.run.dir={run_dir}"])
+    run([*TINY_GPT, *QUIET, "trainer.max_steps=20", "data.batch_size=16", "trainer.eval_batches=null",
+         f"hydra.run.dir={run_dir}"])  # the whole validation set, as eval.py evaluates it
     logged = scalars(run_dir, "eval/loss")[20]
     for source in (run_dir / "model", complete_checkpoints(run_dir)[-1]):
         run([f"path={source}"], script="eval.py")
