@@ -8,8 +8,8 @@ The child is a real process running the real program: its own pid (and session, 
 atexit handlers and interpreter shutdown; a launcher is accelerate's or torch's own code, its workers real
 processes whose parent shows the launcher's command line and goes away with it. What they share with the server is
 only the libraries' import, not our code: `src` is imported afresh by each child. Launches that this cannot stand
-for keep the real command (tests/conftest.py): an environment of their own (read at import), a copy of the
-repository, a working directory elsewhere. tests/test_preloaded.py compares the two.
+for keep the real command (tests/conftest.py): an environment that the libraries read at import, a command typed
+into a shell (the README's), and the tests of the launcher's own pid. tests/test_preloaded.py compares the two.
 """
 
 import json
