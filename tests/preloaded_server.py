@@ -20,6 +20,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -169,13 +170,14 @@ class Zygote:
                 pid, status = os.waitpid(-1, os.WNOHANG)
                 if pid == 0:
                     break
-                answer(answers, id=workers.pop(pid), status=os.waitstatus_to_exitcode(status))
+                try:
+                    answer(answers, id=workers.pop(pid), status=os.waitstatus_to_exitcode(status))
+                except BrokenPipeError:  # the launcher is gone
+                    os._exit(0)
 
     @classmethod
     def reply(cls, request_id: int, key: str, timeout: float | None):
         """The zygote's answer `key` for a request, waiting up to timeout (None: for ever), or None."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while key not in cls.replies.get(request_id, {}):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -2,6 +2,7 @@
 and the run ends with the weights and losses of a run never interrupted. The kills and the work each one lost
 (optimizer steps logged after the newest checkpoint) are reported at the end of the test session."""
 
+import contextlib
 import os
 import random
 import signal
@@ -11,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from src.checkpointing.layout import complete_checkpoints
-from tests.conftest import TINY_GPT, exported_weights, max_abs_diff, run, scalars, start
+from tests.conftest import TINY_GPT, exported_weights, max_abs_diff, process_tree, run, scalars, start
 
 # Where a kill lands: the first moment this marker shows, or (None) a random moment of the launch.
 MARKERS = {"save": "checkpoints/.tmp-step_*", "export": ".tmp-model*", "best export": ".tmp-model_best", "random": None}
@@ -45,7 +46,9 @@ def kill_at(proc, run_dir, marker: str | None, rng: random.Random, timeout: floa
     else:
         if marker is not None:
             raise AssertionError(f"{marker} never appeared")
-    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in process_tree(proc.pid):  # the launcher and its workers at once, as a node failure would end them
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
     return True
 
