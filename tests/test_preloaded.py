@@ -51,11 +51,13 @@ def test_a_forked_launch_that_ends_early_is_seen_ending_by_poll(tmp_path):
 
 def test_a_forked_two_process_launch_trains_what_the_real_launcher_does_and_its_workers_read_its_flags(tmp_path):
     args = [*TINY_GPT, *QUIET, "model.dropout=0.1", "trainer.max_steps=3", "data.batch_size=4"]
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--gradient_accumulation_steps", "2", "--dynamo_backend", "no", "train.py"]
-    forked = run([*args, f"hydra.run.dir={tmp_path / 'forked'}"], command=launcher)
-    launcher[launcher.index("train.py"):] = ["--main_process_port", str(free_port()), "train.py"]
-    fresh = subprocess.run([*launcher, *args, f"hydra.run.dir={tmp_path / 'fresh'}"], cwd=ROOT, text=True,
+    def launcher() -> list[str]:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--gradient_accumulation_steps", "2", "--dynamo_backend", "no", "--main_process_port",
+                str(free_port()), "train.py"]
+
+    forked = run([*args, f"hydra.run.dir={tmp_path / 'forked'}"], command=launcher())
+    fresh = subprocess.run([*launcher(), *args, f"hydra.run.dir={tmp_path / 'fresh'}"], cwd=ROOT, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert fresh.returncode == 0, fresh.stdout[-3000:]
     assert max_abs_diff(exported_weights(tmp_path / "forked"), exported_weights(tmp_path / "fresh")) == 0
