@@ -23,6 +23,7 @@ import threading
 import time
 import types
 from pathlib import Path
+from typing import Callable
 
 import accelerate  # noqa: F401
 import accelerate.commands.launch  # noqa: F401
@@ -60,6 +61,39 @@ def read_lines(fd: int, pending: bytes) -> tuple[list[dict], bytes, bool]:
         line, pending = pending.split(b"\n", 1)
         lines.append(json.loads(line))
     return lines, pending, not data
+
+
+def fork_per_request(requests: int, answers: int, child: Callable[[dict], None]) -> None:
+    """Until `requests` ends, or whoever reads `answers` has gone: fork a child for each request, which runs
+    `child(request)`, and answer {"id", "pid"} once forked, {"id", "status"} once it has exited."""
+    children, pending = {}, b""
+
+    def tell(**fields) -> bool:
+        try:
+            answer(answers, **fields)
+            return True
+        except BrokenPipeError:
+            return False
+
+    while True:
+        if select.select([requests], [], [], 0.01 if children else None)[0]:
+            lines, pending, ended = read_lines(requests, pending)
+            for request in lines:
+                pid = os.fork()
+                if pid == 0:  # the launch, as `python ARGV` would start it, from here on
+                    child(request)
+                    sys.exit(0)  # the interpreter's own exit: atexit handlers, buffered output, threads
+                children[pid] = request["id"]
+                if not tell(id=request["id"], pid=pid):
+                    return
+            if ended:
+                return
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if not tell(id=children.pop(pid), status=os.waitstatus_to_exitcode(status)):
+                return
 
 
 def overwrite_area(first: int, argv_or_env: list[str], what: str) -> None:
@@ -124,6 +158,13 @@ def launch(request: dict) -> None:
     become(request["argv"], request["env"])
 
 
+def start_worker(request: dict, *zygote_pipes: int) -> None:
+    os.setsid()  # as torch's launcher starts each worker: start_new_session=True
+    for fd in zygote_pipes:
+        os.close(fd)
+    become(request["argv"], request["env"])
+
+
 class Zygote:
     """A child of the launcher, forked before the launcher starts any thread, that forks the launcher's workers
     in its place: torch's elastic agent would start each as `python -u SCRIPT` (its `_popen` is replaced by
@@ -145,35 +186,10 @@ class Zygote:
         if os.fork() == 0:
             os.close(cls.requests), os.close(cls.answers)
             os.setpgid(0, 0)  # out of the launcher's group: a Ctrl-C to the launch is not for the zygote
-            cls.serve(request_r, answer_w)
+            fork_per_request(request_r, answer_w, lambda request: start_worker(request, request_r, answer_w))
+            os._exit(0)  # the launcher has exited
         os.close(request_r), os.close(answer_w)
         subprocess_handler.SubprocessHandler._popen = _forked_popen
-
-    @staticmethod
-    def serve(requests: int, answers: int) -> None:
-        workers, pending = {}, b""
-        while True:
-            if select.select([requests], [], [], 0.01 if workers else None)[0]:
-                lines, pending, ended = read_lines(requests, pending)
-                for request in lines:
-                    pid = os.fork()
-                    if pid == 0:
-                        os.setsid()  # as torch's launcher starts each worker: start_new_session=True
-                        os.close(requests), os.close(answers)
-                        become(request["argv"], request["env"])
-                        sys.exit(0)
-                    workers[pid] = request["id"]
-                    answer(answers, id=request["id"], pid=pid)
-                if ended:  # the launcher has exited
-                    os._exit(0)
-            while workers:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-                if pid == 0:
-                    break
-                try:
-                    answer(answers, id=workers.pop(pid), status=os.waitstatus_to_exitcode(status))
-                except BrokenPipeError:  # the launcher is gone
-                    os._exit(0)
 
     @classmethod
     def reply(cls, request_id: int, key: str, timeout: float | None):
@@ -250,24 +266,7 @@ def _execute_child_forked(self, args, *rest):
 
 def main() -> None:
     answer(1, ready=os.getpid())
-    children, pending = {}, b""
-    while True:
-        if select.select([0], [], [], 0.01 if children else None)[0]:
-            lines, pending, ended = read_lines(0, pending)
-            if ended:
-                break
-            for request in lines:
-                pid = os.fork()
-                if pid == 0:  # the launch, as `python ARGV` would start it, from here on
-                    launch(request)
-                    sys.exit(0)  # the interpreter's own exit: atexit handlers, buffered output, threads
-                children[pid] = request["id"]
-                answer(1, id=request["id"], pid=pid)
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-            if pid == 0:
-                break
-            answer(1, id=children.pop(pid), status=os.waitstatus_to_exitcode(status))
+    fork_per_request(0, 1, launch)
 
 
 if __name__ == "__main__":
