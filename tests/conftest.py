@@ -54,7 +54,8 @@ def free_port() -> int:
 
 
 def launch_command(script: str, nproc: int, launcher: str = "accelerate") -> list[str]:
-    if launcher == "fsdp":  # accelerate's FSDP2 plugin, as config/accelerate/fsdp.yaml asks for it (GPUs only)
+    if launcher == "fsdp":  # accelerate's FSDP2 plugin, as config/accelerate/fsdp.yaml asks for it (on CPU processes
+        # only with script="tests/fsdp_on_cpu.py", which lifts accelerate's GPU check)
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "config/accelerate/fsdp.yaml",
                 "--num_processes", str(nproc), "--main_process_port", str(free_port()), script]
     if nproc == 1:
@@ -121,11 +122,11 @@ def wait_for(condition, proc, timeout: float = 120) -> None:
         time.sleep(0.002)
 
 
-def kill_when(args: list[str], nproc: int, ready, timeout: float = 120) -> None:
-    """Start a real launch and SIGKILL the launcher and every process under it the moment `ready()` holds,
-    as a node failure would (torch's elastic agent starts each worker in its own session, so killing the
-    launcher's process group alone would leave the workers running)."""
-    proc = start(args, nproc, quiet=True)
+def kill_when(args: list[str], nproc: int, ready, timeout: float = 120, **launch) -> None:
+    """Start a real launch (`launch`: start's script, launcher...) and SIGKILL the launcher and every process
+    under it the moment `ready()` holds, as a node failure would (torch's elastic agent starts each worker in
+    its own session, so killing the launcher's process group alone would leave the workers running)."""
+    proc = start(args, nproc, quiet=True, **launch)
     try:
         wait_for(ready, proc, timeout)
     finally:

@@ -46,7 +46,7 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
             for file in tokenizer_files(merged):
                 shutil.copy2(file, tmp / file.name)
         elif hasattr(unwrapped, "save_pretrained"):  # a transformers model: also a Hugging Face folder
-            unwrapped.save_pretrained(tmp, state_dict=state_dict)  # safetensors
+            unwrapped.save_pretrained(tmp, state_dict=without_tied_copies(state_dict, unwrapped))  # safetensors
             for file in tokenizer_files(unwrapped):
                 shutil.copy2(file, tmp / file.name)
         else:

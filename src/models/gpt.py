@@ -64,6 +64,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # The unit FSDP shards by (accelerate reads it, as transformers models declare theirs): one Block at a time.
+    _no_split_modules = ["Block"]
+
     def __init__(
         self,
         vocab_size: Annotated[int, Arg("distinct token ids (config/model/gpt.yaml takes it from the data)", ge=1)],

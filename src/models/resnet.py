@@ -29,6 +29,8 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
+    _no_split_modules = ["BasicBlock"]  # FSDP's unit of sharding (see models/gpt.py)
+
     def __init__(
         self,
         num_classes: Annotated[int, Arg("labels (config/model/resnet.yaml takes it from the data)", ge=2)],
