@@ -220,6 +220,25 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+PRETRAINED_VOCAB = 320
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory):
+    """A small GPT-2 with a BPE tokenizer of its own, pretrained briefly on tiny Shakespeare by the README's
+    scripts/make_tiny_pretrained.py: its loss is far below that of random weights, which is how a run shows it
+    started from it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_tiny_pretrained", ROOT / "scripts" / "make_tiny_pretrained.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    folder = tmp_path_factory.mktemp("pretrained") / "gpt2_tiny"
+    script.make_tiny_pretrained(folder, ROOT / "data" / "tinyshakespeare.txt", steps=100, vocab_size=PRETRAINED_VOCAB,
+                                positions=64, n_embd=32)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def cifar_root(tmp_path_factory) -> Path:
     """A small CIFAR-10-format dataset (odd-sized test split) written by the repo's own script."""

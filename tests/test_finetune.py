@@ -10,26 +10,10 @@ import pytest
 import torch
 
 from src.schema.errors import UsageError
-from tests.conftest import QUIET, ROOT, exported_weights, kill_when, max_abs_diff, run, scalars
+from tests.conftest import PRETRAINED_VOCAB, QUIET, exported_weights, kill_when, max_abs_diff, run, scalars
 
 transformers = pytest.importorskip("transformers")
-VOCAB = 320
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    """A small GPT-2 with a BPE tokenizer of its own, pretrained briefly on tiny Shakespeare by the README's
-    scripts/make_tiny_pretrained.py: its loss is far below that of random weights, which is how a run shows it
-    started from it."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("make_tiny_pretrained", ROOT / "scripts" / "make_tiny_pretrained.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    folder = tmp_path_factory.mktemp("pretrained") / "gpt2_tiny"
-    script.make_tiny_pretrained(folder, ROOT / "data" / "tinyshakespeare.txt", steps=100, vocab_size=VOCAB,
-                                positions=64, n_embd=32)
-    return folder
+VOCAB = PRETRAINED_VOCAB
 
 
 def finetune_args(pretrained, run_dir, batch_size: int = 8) -> list[str]:

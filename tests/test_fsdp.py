@@ -84,6 +84,30 @@ def test_a_transformers_model_under_fsdp_exports_a_folder_from_pretrained_loads_
     assert model.lm_head.weight is model.get_input_embeddings().weight
 
 
+def test_lora_under_fsdp_exports_its_adapter_and_the_merged_model_it_makes(tmp_path, pretrained):
+    """The merged export is built from the gathered weights (a sharded model cannot be deep-copied)."""
+    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    run(["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=48", "data.batch_size=4",
+         "model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}", "optimizer.lr=3e-2",
+         "scheduler.warmup_steps=1", "trainer.max_steps=3", *QUIET, f"hydra.run.dir={run_dir}"], nproc=2,
+        **FSDP_ON_CPU)
+    before, after = load_file(pretrained / "model.safetensors"), exported_weights(run_dir)
+    assert {name for name in before if not torch.equal(before[name], after[name])} == {
+        f"transformer.h.{i}.attn.c_attn.weight" for i in range(2)}
+    merged = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "model").eval()
+    assert merged.lm_head.weight is merged.get_input_embeddings().weight
+    base = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
+    adapted = peft.PeftModel.from_pretrained(base, run_dir / "model" / "adapter").eval()
+    ids = torch.randint(0, 320, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(input_ids=ids).logits, merged(input_ids=ids).logits)
+
+
 @pytest.mark.slow
 def test_fsdp_with_the_compiled_step_and_activation_checkpointing_trains_the_eager_weights(tmp_path, fsdp_run):
     run_dir = tmp_path / "compiled"

@@ -41,7 +41,7 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
     if accelerator.is_main_process:
         if hasattr(unwrapped, "merge_and_unload"):  # peft: the adapter alone, and the model it adapts merged
             unwrapped.save_pretrained(tmp / "adapter", state_dict=state_dict)
-            merged = copy.deepcopy(unwrapped).merge_and_unload()  # a copy: training goes on with the adapter
+            merged = with_adapter_merged(unwrapped, state_dict)
             merged.save_pretrained(tmp)
             for file in tokenizer_files(merged):
                 shutil.copy2(file, tmp / file.name)
@@ -70,6 +70,21 @@ def tokenizer_files(model: torch.nn.Module) -> list[Path]:
     source = getattr(getattr(model, "config", None), "name_or_path", "") or ""
     folder = Path(source).expanduser()
     return [folder / name for name in TOKENIZER_FILES if source and (folder / name).is_file()]
+
+
+def with_adapter_merged(peft_model, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A copy of a peft model with its adapter merged in: training goes on with the adapter. Sharded weights
+    (FSDP) cannot be deep-copied, so their copy is built anew from the config and the gathered weights."""
+    if not any(hasattr(p, "full_tensor") for p in peft_model.parameters()):
+        return copy.deepcopy(peft_model).merge_and_unload()
+    from peft import get_peft_model
+
+    base = peft_model.get_base_model()
+    with torch.random.fork_rng(devices=[]):  # the copy's initial weights must not move rank 0's training RNG
+        fresh = type(base)._from_config(base.config, dtype=base.dtype)
+    fresh = get_peft_model(fresh, copy.deepcopy(peft_model.peft_config[peft_model.active_adapter]))
+    fresh.load_state_dict(state_dict)
+    return fresh.merge_and_unload()
 
 
 def whole_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
