@@ -2,6 +2,9 @@
 
 import socket
 
+import pytest
+
+from src.faults.distributed_errors import DistributedFailure, lost_ranks_in_our_words
 from tests.conftest import QUIET, TINY_GPT, run
 
 
@@ -28,3 +31,14 @@ def test_a_main_port_in_use_is_named_with_the_ways_to_choose_another(tmp_path):
     assert failed.returncode == 1
     assert f"the main port {port} on 127.0.0.1 is already in use" in failed.stdout, failed.stdout[-3000:]
     assert "--master_port for torchrun" in failed.stdout and "Traceback" not in failed.stdout
+
+
+@pytest.mark.parametrize("gloo_says, why", [
+    ("[pair.cc:553] Connection closed by peer [127.0.0.1]:64133", "another rank's process ended"),
+    ("[pair.cc:446] Timed out waiting 1800000ms for recv operation to complete",
+     "another rank stopped answering, and trainer.dist_timeout_s=1800 s passed"),  # the default, not given
+])
+def test_a_lost_peer_is_told_apart_from_a_silent_one(gloo_says, why):
+    with pytest.raises(DistributedFailure) as failure, lost_ranks_in_our_words(None):
+        raise RuntimeError(gloo_says)
+    assert f"A collective operation ended without every rank ({gloo_says}): {why}" in str(failure.value)

@@ -9,9 +9,9 @@ import torch
 from hydra.errors import CompactHydraException
 
 from src.faults.hang_watch import silent_ranks
-
 from src.launch.checks import LaunchError
 from src.schema.errors import UsageError
+from src.schema.trainer import TrainerConfig
 
 
 def unused_parameters(error: RuntimeError, model: torch.nn.Module) -> Optional[UsageError]:
@@ -63,8 +63,13 @@ def lost_ranks_in_our_words(timeout_s: Optional[float]):
         if not any(sign in str(error) for sign in LOST_PEER_SIGNS):
             raise
         lost = silent_ranks() or "the rank that logged no HANG? report above is the one"
+        if "time" in str(error).lower():  # "timed out", "timeout": the peer may still be alive, but stuck
+            why = (f"another rank stopped answering, and trainer.dist_timeout_s="
+                   f"{timeout_s or TrainerConfig.dist_timeout_s} s passed")
+        else:  # the peer's connection closed: its process ended
+            why = "another rank's process ended (its own error, if it had one, is above)"
         raise DistributedFailure(
-            f"A collective operation ended without every rank ({str(error).strip().splitlines()[0]}): another rank "
-            f"stopped answering or died, and trainer.dist_timeout_s={timeout_s} s passed. Not answering: {lost}. "
-            "The newest complete checkpoint resumes with resume=auto once every rank runs again."
+            f"A collective operation ended without every rank ({str(error).strip().splitlines()[0]}): {why}. "
+            f"Not answering: {lost}. The newest complete checkpoint resumes with resume=auto once every rank runs "
+            "again."
         ) from None
