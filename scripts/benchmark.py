@@ -54,6 +54,7 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 def compose_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
+    import src.schema.hydra_hooks  # noqa: F401  (registers train_base, which config/train.yaml starts from)
     from src.schema.complete import complete_config
 
     with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
