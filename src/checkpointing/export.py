@@ -75,16 +75,22 @@ def tokenizer_files(model: torch.nn.Module) -> list[Path]:
 def with_adapter_merged(peft_model, state_dict: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A copy of a peft model with its adapter merged in: training goes on with the adapter. Sharded weights
     (FSDP) cannot be deep-copied, so their copy is built anew from the config and the gathered weights."""
-    if not any(hasattr(p, "full_tensor") for p in peft_model.parameters()):
+    if not sharded(peft_model):
         return copy.deepcopy(peft_model).merge_and_unload()
     from peft import get_peft_model
+    from transformers import AutoModelForCausalLM  # model.peft adapts hf_causal_lm's models
 
     base = peft_model.get_base_model()
     with torch.random.fork_rng(devices=[]):  # the copy's initial weights must not move rank 0's training RNG
-        fresh = type(base)._from_config(base.config, dtype=base.dtype)
+        fresh = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)
     fresh = get_peft_model(fresh, copy.deepcopy(peft_model.peft_config[peft_model.active_adapter]))
     fresh.load_state_dict(state_dict)
     return fresh.merge_and_unload()
+
+
+def sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 (torch's fully_shard) holds the weights as DTensor shards."""
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 def whole_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -92,7 +98,7 @@ def whole_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Ten
 
     FSDP2 (torch's fully_shard) holds DTensor shards: they are gathered the way accelerate gathers them under
     its FSDP plugin, also when the model was sharded by hand; anything else is accelerate's own state dict."""
-    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+    if sharded(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
