@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from src.checkpointing.export import load_exported_model
 from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
 from src.checkpointing.layout import complete_checkpoints
-from tests.conftest import QUIET, ROOT, TINY_GPT, run, scalars
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, scalars
 
 
 def learned(losses: dict[int, float], margin: float) -> bool:
@@ -81,6 +81,17 @@ def test_bf16_mixed_precision_trains_on_cpu(tmp_path):
     losses = scalars(run_dir, "train/loss")
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
     assert learned(losses, margin=0.3)
+
+
+def test_evaluating_more_often_trains_the_same_weights_with_dropout(tmp_path):
+    """Evaluation draws nothing from training's random streams: how often a run evaluates is not a training
+    choice (an evaluation's new loader iterator used to draw its seed from the global RNG, dropout's)."""
+    args = [*TINY_GPT, *QUIET, "model.dropout=0.2", "trainer.max_steps=6", "data.batch_size=8"]
+    for every in (2, 0):
+        run([*args, f"trainer.eval_every={every}", f"hydra.run.dir={tmp_path / str(every)}"])
+    assert sorted(scalars(tmp_path / "2", "eval/loss")) == [2, 4, 6]
+    assert scalars(tmp_path / "2", "train/loss") == scalars(tmp_path / "0", "train/loss")
+    assert max_abs_diff(exported_weights(tmp_path / "2"), exported_weights(tmp_path / "0")) == 0
 
 
 def test_eval_entry_point_reproduces_the_final_eval_metric_of_training(tmp_path):

@@ -172,10 +172,11 @@ class DataModule:
             pin_memory=torch.cuda.is_available(),
             # Training workers restart each epoch so that they see the dataset's set_epoch (augmentation seeds).
             persistent_workers=self.num_workers > 0 and not train,
-            # Its own generator: otherwise each new iterator draws a seed from the global RNG, and a run
-            # resumed mid-epoch would see different dropout than the run it continues. (The shuffle order
-            # comes from accelerate's seedable sampler, which re-seeds this generator from trainer.seed + epoch.)
-            generator=torch.Generator() if train else None,
+            # Its own generator: otherwise each new iterator draws a seed from the global RNG, so a run resumed
+            # mid-epoch would see different dropout than the run it continues, and every evaluation would move
+            # training's dropout. (The shuffle order comes from accelerate's seedable sampler, which re-seeds
+            # the training loader's generator from trainer.seed + epoch.)
+            generator=torch.Generator(),
             worker_init_fn=_workers_ignore_ctrl_c,
         )
 
