@@ -130,13 +130,18 @@ def test_a_nonfinite_step_on_sharded_weights_is_skipped_and_holds_the_schedule(t
     assert all(t.isfinite().all() for t in exported_weights(run_dir).values())
 
 
-def test_ema_is_refused_under_fsdp_naming_the_alternatives(tmp_path):
-    run_dir = tmp_path / "ema"
-    proc = run([*ARGS, "trainer.ema_decay=0.99", f"hydra.run.dir={run_dir}"], nproc=2, check=False, **FSDP_ON_CPU)
-    assert proc.returncode != 0
-    assert "trainer.ema_decay needs whole weights on every rank" in proc.stdout
-    assert "Use DDP (config/accelerate/multi_gpu.yaml) or trainer.ema_decay=null." in proc.stdout
-    assert not (run_dir / "checkpoints").exists()
+@pytest.mark.parametrize("option, refusal", [
+    ("trainer.ema_decay=0.99", "trainer.ema_decay needs whole weights on every rank; DistributedType.FSDP shards "
+                               "them. Use DDP (config/accelerate/multi_gpu.yaml) or trainer.ema_decay=null."),
+    ("trainer.sample_every=2", "trainer.sample_every needs whole weights on rank 0; with sharded weights sample "
+                               "from the export instead: python sample.py RUN_DIR/model"),
+], ids=["ema", "sampling"])
+def test_what_needs_whole_weights_is_refused_under_fsdp_before_training_naming_the_alternative(
+        tmp_path, option, refusal):
+    run_dir = tmp_path / "run"
+    proc = run([*ARGS, option, f"hydra.run.dir={run_dir}"], nproc=2, check=False, **FSDP_ON_CPU)
+    assert proc.returncode != 0 and refusal in proc.stdout
+    assert "step 1/" not in proc.stdout and not (run_dir / "checkpoints").exists()
 
 
 def test_clipping_the_nonfinite_check_and_the_export_work_on_sharded_tied_weights():
