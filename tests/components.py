@@ -67,6 +67,35 @@ class NaNOnCalls(GPT):
         return logits
 
 
+class _HugeGradient(torch.autograd.Function):
+    """The identity forward; its backward multiplies the gradient by 1e6."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e6
+
+
+class OverflowOnCalls(GPT):
+    """The GPT, whose backward overflows fp16 on the training forward calls listed (1-based): the loss is the
+    GPT's own, finite, but the logits' gradient is a million times larger, so a GradScaler skips those steps."""
+
+    def __init__(self, overflow_calls: tuple = (), **gpt):
+        super().__init__(**gpt)
+        self.overflow_calls, self.calls = set(overflow_calls), 0
+
+    def forward(self, input_ids, attention_mask=None):
+        logits = super().forward(input_ids, attention_mask)
+        if self.training:
+            self.calls += 1
+            if self.calls in self.overflow_calls:
+                return _HugeGradient.apply(logits)
+        return logits
+
+
 class NaNWhenEvaluating(GPT):
     """The GPT, training normally and returning NaN logits in evaluation."""
 
