@@ -51,20 +51,30 @@ class OutOfMemoryAbove(GPT):
         return super().forward(input_ids, attention_mask)
 
 
-class NaNOnCalls(GPT):
-    """The GPT, returning NaN logits on the training forward calls listed (1-based)."""
+class AlteredOnCalls(GPT):
+    """The GPT, its logits passed through `alter` on the training forward calls in `altered_calls` (1-based)."""
 
-    def __init__(self, nan_calls: tuple = (), **gpt):
-        super().__init__(**gpt)
-        self.nan_calls, self.calls = set(nan_calls), 0
+    altered_calls: set = set()
+    calls = 0
 
     def forward(self, input_ids, attention_mask=None):
         logits = super().forward(input_ids, attention_mask)
         if self.training:
             self.calls += 1
-            if self.calls in self.nan_calls:
-                return logits * float("nan")
+            if self.calls in self.altered_calls:
+                return self.alter(logits)
         return logits
+
+
+class NaNOnCalls(AlteredOnCalls):
+    """NaN logits on the training forward calls listed."""
+
+    def __init__(self, nan_calls: tuple = (), **gpt):
+        super().__init__(**gpt)
+        self.altered_calls = set(nan_calls)
+
+    def alter(self, logits):
+        return logits * float("nan")
 
 
 class _HugeGradient(torch.autograd.Function):
@@ -79,21 +89,16 @@ class _HugeGradient(torch.autograd.Function):
         return grad * 1e6
 
 
-class OverflowOnCalls(GPT):
-    """The GPT, whose backward overflows fp16 on the training forward calls listed (1-based): the loss is the
-    GPT's own, finite, but the logits' gradient is a million times larger, so a GradScaler skips those steps."""
+class OverflowOnCalls(AlteredOnCalls):
+    """A backward that overflows fp16 on the training forward calls listed: the loss is the GPT's own, finite,
+    but the logits' gradient is a million times larger, so a GradScaler skips those steps."""
 
     def __init__(self, overflow_calls: tuple = (), **gpt):
         super().__init__(**gpt)
-        self.overflow_calls, self.calls = set(overflow_calls), 0
+        self.altered_calls = set(overflow_calls)
 
-    def forward(self, input_ids, attention_mask=None):
-        logits = super().forward(input_ids, attention_mask)
-        if self.training:
-            self.calls += 1
-            if self.calls in self.overflow_calls:
-                return _HugeGradient.apply(logits)
-        return logits
+    def alter(self, logits):
+        return _HugeGradient.apply(logits)
 
 
 class NaNWhenEvaluating(GPT):
