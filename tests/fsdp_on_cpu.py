@@ -33,6 +33,5 @@ def as_on_a_gpu(state, *args, fsdp_plugin=None, **kwargs):
 
 
 accelerate.state.AcceleratorState.__init__ = as_on_a_gpu
-sys.argv[0] = "train.py"
 sys.path.insert(0, str(REPO))
 runpy.run_path(str(REPO / "train.py"), run_name="__main__")
