@@ -16,7 +16,7 @@ from src.schema.complete import complete_config
 from src.schema.errors import ConfigError
 from src.schema.signature import locate, schema_of
 from src.schema.trainer import TrainerConfig
-from tests.conftest import ROOT, run
+from tests.conftest import QUIET, ROOT, TINY_GPT, run
 
 CONFIG_DIR = ROOT / "config"
 GROUPS = ("model", "data", "objective", "optimizer", "scheduler")
@@ -178,6 +178,12 @@ def test_warmup_longer_than_the_run_warns_naming_both_keys():
     warnings = []
     complete_config(compose_train(["trainer.max_steps=2", "scheduler.warmup_steps=5"]), warnings)
     assert "scheduler.warmup_steps=5 >= trainer.max_steps=2: the learning rate never leaves its warm-up" in warnings
+
+
+def test_a_config_warning_is_printed_once_however_many_processes_check_the_config(tmp_path):
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=2", "data.batch_size=4", "scheduler.warmup_steps=5",
+                f"hydra.run.dir={tmp_path / 'run'}"], nproc=2)
+    assert proc.stdout.count("the learning rate never leaves its warm-up") == 1, proc.stdout
 
 
 def test_a_mistake_found_while_building_names_it_and_leaves_no_run_dir(tmp_path):

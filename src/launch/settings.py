@@ -21,6 +21,12 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """This process's rank as its launcher numbered it, before any process group exists (srun's task number
+    where no launcher set one, e.g. a submitit sweep's node process; 0 for a plain `python train.py`)."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
 @functools.cache
 def parent_launch_args() -> Optional[argparse.Namespace]:
     """The arguments of the `accelerate launch` that started this process, parsed by accelerate's own parser,

@@ -48,7 +48,7 @@ class ValidateConfig(Callback):
 
     @staticmethod
     def _exit_on_errors(config: DictConfig, run_dir: str, multirun: bool = False) -> None:
-        from src.launch.settings import launch_settings
+        from src.launch.settings import launch_settings, launched_rank
         from src.launch.slurm_sweep import check_submitit_slurm
 
         warnings = []
@@ -57,7 +57,7 @@ class ValidateConfig(Callback):
             if multirun:
                 check_submitit_slurm(config.hydra)
             launch_settings(complete_config(config, warnings).trainer)
-            for warning in warnings:
+            for warning in warnings if launched_rank() == 0 else []:  # every rank checks; one says so
                 print(f"Warning: {warning}", file=sys.stderr)
         except UsageError as error:
             print(error, file=sys.stderr)
