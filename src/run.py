@@ -23,7 +23,7 @@ from src.checkpointing.resume import check_same_data, config_for_resume, resume_
 from src.data.base import DataModule
 from src.faults.run_dir_lock import acquire_run_dir
 from src.launch.accelerator import build_accelerator
-from src.launch.settings import LaunchSettings, Setting, launch_settings
+from src.launch.settings import LaunchSettings, Setting, launch_settings, launched_rank
 from src.loop.accumulation import fit_run_to_data
 from src.loop.auto_batch import find_micro_batch
 from src.loop.sync_batchnorm import sync_batchnorm
@@ -65,7 +65,7 @@ class Run:
 def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     """`overrides`: the command line's (Hydra's task overrides), which a resume compares with its checkpoint."""
     cfg = complete_config(cfg)  # every default filled in from the signatures, every value checked
-    if int(os.environ.get("RANK", "0")) == 0:  # one live run per run dir: before anything of it is read or written
+    if launched_rank() == 0:  # one live run per run dir: before anything of it is read or written
         requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0  # may wait for its previous instance
         acquire_run_dir(run_dir, cfg.trainer.run_dir_lease_s, requeued)
     checkpoint = resume_source(cfg.resume, run_dir)  # refuses to write into another run's directory

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from src.faults.run_dir_lock import release_run_dirs
+from src.launch.settings import launched_rank
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class PreemptionWatch:
                   "(resume=auto).", file=sys.stderr, flush=True)
             release_run_dirs()
             os._exit(INTERRUPTED_EXIT_CODE)
-        if signum == signal.SIGINT and self.received is None and os.environ.get("RANK", "0") == "0":  # once per run
+        if signum == signal.SIGINT and self.received is None and launched_rank() == 0:  # once per run
             print("\nInterrupted: finishing the step, saving a checkpoint, then stopping (Ctrl-C again: stop now, "
                   "without saving).", file=sys.stderr, flush=True)
         self.received = signum  # nothing else here: the loop decides when it is safe to stop

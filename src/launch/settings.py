@@ -22,9 +22,9 @@ def launched_world_size() -> int:
 
 
 def launched_rank() -> int:
-    """This process's rank as its launcher numbered it, before any process group exists (srun's task number
-    where no launcher set one, e.g. a submitit sweep's node process; 0 for a plain `python train.py`)."""
-    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    """This process's rank as its launcher numbered it, before any process group exists (0 for a plain
+    `python train.py`)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 @functools.cache
