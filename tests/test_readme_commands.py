@@ -25,9 +25,9 @@ SETUP = "python3 -m venv .venv && . .venv/bin/activate && pip install -r require
 # (README command, {README text: what runs instead}, appended arguments), run in this order in a copy of the
 # repository: later commands use what earlier ones wrote (outputs/my_run, data/shakespeare.bin).
 RUN = [
-    (SETUP + "accelerate launch train.py", {SETUP: ""}, [*TINY, *STEPS]),  # the install: README's set-up check
-    ("accelerate launch train.py", {}, [*TINY, *STEPS]),
+    (SETUP + "python train.py", {SETUP: ""}, [*TINY, *STEPS]),  # the install: README's set-up check
     ("python train.py", {}, [*TINY, *STEPS]),
+    ("accelerate launch train.py", {}, [*TINY, *STEPS]),
     ("accelerate launch --multi_gpu --num_processes N train.py", {" N ": " 2 "}, [*TINY, *STEPS]),
     ("accelerate launch --config_file config/accelerate/cpu_ddp.yaml train.py", {}, [*TINY, *STEPS]),
     ("torchrun --nproc_per_node N train.py", {" N ": " 2 "}, [*TINY, *STEPS]),
@@ -128,6 +128,21 @@ def test_every_readme_command_is_run_or_listed_with_the_reason_it_is_not():
     test_command = next(c for c in NOT_RUN if c.endswith("python -m pytest tests"))
     assert any(line.startswith(test_command) for line in ci.splitlines()), \
         ".ci/run must run the README's test command verbatim (not in a comment)"
+
+
+def test_the_readme_first_run_prints_no_warning_a_user_must_learn_to_ignore(tmp_path):
+    """The set-up's training command, as written (shortened), on a machine without `accelerate config` answers:
+    no launcher block of assumed defaults, no notice per save of the tied embedding, no warning at all."""
+    first = re.search(r"```bash\n(.*?)\n```", README, flags=re.S).group(1)
+    assert first.startswith(SETUP), first
+    short = ["trainer.eval_every=2", "trainer.checkpoint_every=2", "scheduler.warmup_steps=1"]  # no warnings of
+    # their own about a run shorter than its intervals
+    command = " ".join([first.removeprefix(SETUP), *TINY, *STEPS, *short, f"hydra.run.dir={tmp_path / 'run'}"])
+    proc = shell(command, ROOT)  # with no `accelerate config` answers: conftest points HF_HOME at an empty folder
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "exported the final model" in proc.stdout, proc.stdout[-3000:]
+    noise = [line for line in proc.stdout.splitlines() if re.search(r"warn|were not passed|removed shared", line, re.I)]
+    assert noise == [], proc.stdout[-3000:]
 
 
 @pytest.fixture(scope="module")
