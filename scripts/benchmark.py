@@ -61,6 +61,13 @@ def compose_config(overrides: list[str]):
         return complete_config(compose(config_name="train", overrides=overrides))
 
 
+def in_turn(repeat: int, *sides) -> None:
+    """Run each side once, in order on even repeats and in reverse on odd ones: no side always gets the machine
+    as the other left it (warmer caches, a calmer neighbour)."""
+    for side in sides if repeat % 2 == 0 else reversed(sides):
+        side()
+
+
 def scalars(run_dir: Path, tag: str):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -206,10 +213,10 @@ def parity(args) -> dict:
         for processes in args.processes:
             runs = {"template": [], "hand_written": []}
             equal = True
-            for repeat in range(args.repeats):  # alternating, so neither side gets the warmer machine
+            for repeat in range(args.repeats):
                 run_dir, weights = Path(tmp) / f"p{processes}-{repeat}", Path(tmp) / f"hand-p{processes}-{repeat}.pt"
-                runs["template"].append(run_template(args, processes, run_dir))
-                runs["hand_written"].append(run_hand_written(args, processes, weights))
+                in_turn(repeat, lambda: runs["template"].append(run_template(args, processes, run_dir)),
+                        lambda: runs["hand_written"].append(run_hand_written(args, processes, weights)))
                 equal &= weights_equal(run_dir / "model", weights)
                 print(f"{processes} process(es), run {repeat + 1}: template {runs['template'][-1]['step_time_s']*1e3:.1f}"
                       f" ms/step, hand-written {runs['hand_written'][-1]['step_time_s']*1e3:.1f} ms/step, weights "
@@ -301,7 +308,8 @@ def nanogpt(args) -> dict:
         stub.mkdir()
         (stub / "requests.py").write_text("")
         run([sys.executable, "prepare.py"], cwd=data_dir, env={**os.environ, "PYTHONPATH": str(stub)})
-        for repeat, seed in enumerate(seed for seed in args.seeds for _ in range(args.repeats)):
+
+        def template_run(repeat: int, seed: int) -> None:
             run_dir = Path(tmp) / f"template-{repeat}"
             started = time.time()
             run(["accelerate", "launch", "train.py", "experiment=nanogpt_shakespeare_char", f"trainer.seed={seed}",
@@ -313,6 +321,8 @@ def nanogpt(args) -> dict:
                                        "ms_per_step": round(1e3 * median(
                                            e.value for e in scalars(run_dir, "train/step_time")), 1),
                                        "in_run_val_loss": round(summary["final_metrics"]["eval/loss"], 4)})
+
+        def nanogpt_run(repeat: int, seed: int) -> None:
             out = work / f"out-{repeat}"
             started = time.time()
             # nanoGPT has no seed flag: its one torch.manual_seed(1337 + rank) call gets the seed's offset.
@@ -327,6 +337,9 @@ def nanogpt(args) -> dict:
                                       "full_val_loss": round(nanogpt_full_validation(work, out / "ckpt.pt", val), 4),
                                       "ms_per_step": round(median(step_ms[1:]), 1),
                                       "its_estimate_at_2000": estimate[0] if estimate else None})
+
+        for repeat, seed in enumerate(seed for seed in args.seeds for _ in range(args.repeats)):
+            in_turn(repeat, lambda: template_run(repeat, seed), lambda: nanogpt_run(repeat, seed))
             print(json.dumps({k: v[-1] for k, v in report.items()}), file=sys.stderr, flush=True)
     del torch
     for side in ("template", "nanogpt"):
@@ -567,10 +580,10 @@ def gpu(args) -> dict:
             for compiled in [mode == "compiled" for mode in args.modes]:
                 name = f"{shape} {'compiled' if compiled else 'eager'}"
                 runs = {"template": [], "nanogpt": []}
-                for repeat in range(args.repeats):  # alternating, so neither side gets the warmer GPU
-                    runs["template"].append(gpu_template(args, batch, accumulation, compiled,
-                                                         tmp / f"{shape}-{compiled}-{repeat}", bin_file))
-                    runs["nanogpt"].append(gpu_nanogpt(args, batch, accumulation, compiled, work))
+                for repeat in range(args.repeats):
+                    in_turn(repeat, lambda: runs["template"].append(gpu_template(
+                                args, batch, accumulation, compiled, tmp / f"{shape}-{compiled}-{repeat}", bin_file)),
+                            lambda: runs["nanogpt"].append(gpu_nanogpt(args, batch, accumulation, compiled, work)))
                 entry = {}
                 for side, results in runs.items():
                     step_s = median(r["step_s"] for r in results)

@@ -10,13 +10,27 @@ import pytest
 from tests.conftest import ROOT, run
 
 
-@pytest.mark.parametrize("overrides", [[], ["experiment=nanogpt_shakespeare_char"],
-                                       ["experiment=owt_tokens", "data.path=train.bin", "data.vocab_size=50304"]])
-def test_the_benchmarks_compose_the_configs_they_run(overrides):
+def benchmark_module():
     spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)
-    cfg = benchmark.compose_config(overrides)
+    return benchmark
+
+
+def test_in_turn_puts_each_side_first_in_every_other_pair():
+    """parity, nanogpt and gpu compare two sides run one after the other: a side that always went first would
+    always meet the machine as the previous pair left it (they said they alternated, and did not)."""
+    order = []
+    for repeat in range(4):
+        benchmark_module().in_turn(repeat, lambda: order.append("template"), lambda: order.append("reference"))
+    assert [order[i] for i in range(0, 8, 2)] == ["template", "reference", "template", "reference"]
+    assert sorted(order) == ["reference"] * 4 + ["template"] * 4
+
+
+@pytest.mark.parametrize("overrides", [[], ["experiment=nanogpt_shakespeare_char"],
+                                       ["experiment=owt_tokens", "data.path=train.bin", "data.vocab_size=50304"]])
+def test_the_benchmarks_compose_the_configs_they_run(overrides):
+    cfg = benchmark_module().compose_config(overrides)
     assert cfg.model._target_ and cfg.trainer.max_steps > 0
 
 
