@@ -106,8 +106,8 @@ def keep_freed_memory(device: torch.device) -> bool:
     """On CPU, glibc's malloc gives the memory of a step's activations back to the system and faults it in again
     at the next step: on the default GPT, 2 000 page faults and 5 ms of system time a step, which a hand-written
     loop pays less of (scripts/BENCHMARKS.md). Fixed thresholds keep freed memory for reuse, as jemalloc or
-    tcmalloc would, without a dependency; a process holds at most 256 MiB more. Left alone where the user chose
-    an allocator or glibc's malloc settings. Whether it applied them."""
+    tcmalloc would, without a dependency: up to 256 MiB freed at the top of the heap stay with the process. Left
+    alone where the user chose an allocator or glibc's malloc settings. Whether it applied them."""
     chosen = any(key.startswith("MALLOC_") for key in os.environ) or "LD_PRELOAD" in os.environ or \
         "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
     if device.type != "cpu" or chosen or not glibc():
