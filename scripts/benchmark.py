@@ -312,7 +312,8 @@ def nanogpt(args) -> dict:
         def template_run(repeat: int, seed: int) -> None:
             run_dir = Path(tmp) / f"template-{repeat}"
             started = time.time()
-            run(["accelerate", "launch", "train.py", "experiment=nanogpt_shakespeare_char", f"trainer.seed={seed}",
+            # One process, as nanoGPT runs: the README's `python train.py`, without the launcher's own start-up.
+            run([sys.executable, "train.py", "experiment=nanogpt_shakespeare_char", f"trainer.seed={seed}",
                  *args.overrides, f"hydra.run.dir={run_dir}"], env={**os.environ, "TQDM_DISABLE": "1"})
             wall = time.time() - started
             loss = full_validation_loss(load_exported_model(run_dir / "model"), val)
