@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 import src.schema.hydra_hooks  # noqa: F401  (registers the resolvers a run's config may use)
 from src.checkpointing.export import load_exported_model
 from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
-from src.launch.accelerator import use_cpu_threads
+from src.launch.accelerator import keep_freed_memory, use_cpu_threads
 from src.launch.checks import check_process_count
 from src.launch.settings import needs_cpu_flag
 from src.launch.shutdown import run_then_release, shut_down
@@ -35,6 +35,7 @@ def main(cfg: DictConfig) -> None:
     accelerator = Accelerator(cpu=needs_cpu_flag(), mixed_precision=cfg.mixed_precision)
     check_process_count(accelerator)
     use_cpu_threads(accelerator, None)
+    keep_freed_memory(accelerator.device)  # each batch's activations reused, not faulted in again
 
     data = instantiate(OmegaConf.merge(run_cfg.data, cfg.data), _convert_="all")
     objective = instantiate(run_cfg.objective, _convert_="all")
