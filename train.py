@@ -64,7 +64,7 @@ def train(cfg: DictConfig) -> float | None:
     cfg, trainer, checkpoint = run.cfg, run.trainer, run.checkpoint
     accelerator, data, model, objective = run.accelerator, run.data, run.model, run.objective
     state = run.train_state()
-    forward = Forward(objective, trainer.compile)  # model + loss: with trainer.compile, one compiled graph
+    forward = Forward(objective, trainer.compile, trainer.compile_mode)  # with trainer.compile, one graph
     train_loader, val_loader = data.train_dataloader(), data.val_dataloader(trainer.eval_batches)
     optimizer = build_optimizer(cfg.optimizer, model, state.global_batch)
     scheduler = build(cfg.scheduler, optimizer, group="scheduler")

@@ -503,10 +503,17 @@ def per_step(stamps: list[tuple[int, float]]) -> float:
     return (t1 - t0) / (last - first)
 
 
+def compile_overrides(args, compiled: bool) -> list[str]:
+    """nanoGPT compiles in torch.compile's default mode; --compile-mode tries another for the template only."""
+    if not compiled:
+        return ["trainer.compile=false"]
+    return ["trainer.compile=true", f"trainer.compile_mode={args.compile_mode}"]
+
+
 def gpu_template(args, batch: int, accumulation: int, compiled: bool, run_dir: Path, bin_file: Path) -> dict:
     cmd = [sys.executable, "train.py", "experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}",
            "data.vocab_size=50304", "data.val_fraction=0.05", f"data.batch_size={batch}",
-           f"trainer.gradient_accumulation_steps={accumulation}", f"trainer.compile={str(compiled).lower()}",
+           f"trainer.gradient_accumulation_steps={accumulation}", *compile_overrides(args, compiled),
            f"trainer.max_steps={args.steps}", "trainer.log_every=10", "trainer.eval_every=0", "trainer.eval_batches=2",
            "trainer.checkpoint_every=0", "trainer.monitor=null", "scheduler.warmup_steps=10",
            f"trainer.mixed_precision={args.mixed_precision}", f"hydra.run.dir={run_dir}"]
@@ -538,7 +545,7 @@ def gpu_first_step(args, compiled: bool, bin_file: Path, tmp: Path) -> float:
     run_dir = tmp / f"first-step-{compiled}"
     started = time.time()
     run([sys.executable, "train.py", "experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}",
-         "data.vocab_size=50304", "data.val_fraction=0.05", f"trainer.compile={str(compiled).lower()}",
+         "data.vocab_size=50304", "data.val_fraction=0.05", *compile_overrides(args, compiled),
          "trainer.max_steps=1", "trainer.log_every=1", "trainer.eval_batches=1", "trainer.monitor=null",
          f"trainer.mixed_precision={args.mixed_precision}", f"hydra.run.dir={run_dir}"],
         env={**os.environ, "TQDM_DISABLE": "1"})
@@ -559,7 +566,8 @@ def gpu(args) -> dict:
     device = torch.device(args.device)
     peak = args.peak_tflops or peak_tflops(device, args.mixed_precision, None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "model_shape": args.model_shape, "peak_tflops": peak}
+              "torch": torch.__version__, "model_shape": args.model_shape, "peak_tflops": peak,
+              "template_compile_mode": args.compile_mode}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         tokens = np.frombuffer((ROOT / "data" / "tinyshakespeare.txt").read_bytes(), dtype=np.uint8).astype(np.uint16)
@@ -682,6 +690,8 @@ def main() -> None:
     g.add_argument("--model-shape", default=GPT2_SHAPE, help="n_layer,n_head,n_embd,block_size")
     g.add_argument("--device", default="cuda", help="cpu: a dry run of the plumbing with a small --model-shape")
     g.add_argument("--mixed-precision", default="bf16", choices=["bf16", "no"])
+    g.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+                   help="the template's trainer.compile_mode in the compiled runs (nanoGPT's stays torch's default)")
     c = commands.add_parser("checkpoint", help="checkpoint save MB/s against a raw write")
     c.add_argument("--n-layer", type=int, default=8)
     c.add_argument("--n-embd", type=int, default=512)

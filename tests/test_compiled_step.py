@@ -21,8 +21,9 @@ def graphs_compiled() -> int:
 
 def test_the_compiled_step_is_one_graph_with_the_eager_loss_and_gradients_for_each_batch_and_output_form():
     torch.manual_seed(0)
-    cases = [(GPT, CrossEntropy(), lambda x: x, False), (MappingOutput, CausalLM(), lambda x: {"input_ids": x}, True)]
-    for model_class, objective, as_inputs, checkpointing in cases:  # activation checkpointing in the second
+    cases = [(GPT, CrossEntropy(), lambda x: x, False, "default"),
+             (MappingOutput, CausalLM(), lambda x: {"input_ids": x}, True, "max-autotune-no-cudagraphs")]
+    for model_class, objective, as_inputs, checkpointing, mode in cases:  # the second: activation checkpointing too
         model = model_class(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32,
                             gradient_checkpointing=checkpointing)
         x, y = torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 16))
@@ -33,12 +34,21 @@ def test_the_compiled_step_is_one_graph_with_the_eager_loss_and_gradients_for_ea
         model.zero_grad()
         torch._dynamo.reset()
         before = graphs_compiled()
-        compiled = Forward(objective, compile=True).loss_sum(model, as_inputs(x), y)
+        compiled = Forward(objective, compile=True, mode=mode).loss_sum(model, as_inputs(x), y)
         assert graphs_compiled() - before == 1  # the model and the loss in one graph: no graph break
         compiled.backward()
         assert torch.allclose(compiled, eager, rtol=1e-5)
         assert all(torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(model.parameters(), eager_grads))
         assert not any("_orig_mod" in name for name in model.state_dict())
+
+
+def test_compile_mode_reaches_the_training_step_and_leaves_evaluation_at_the_default():
+    def autotunes(compiled) -> bool:
+        return compiled.get_compiler_config()["max_autotune"]
+
+    tuned, default = Forward(CrossEntropy(), True, "max-autotune-no-cudagraphs"), Forward(CrossEntropy(), True)
+    assert autotunes(tuned._train_step) and not autotunes(default._train_step)
+    assert not autotunes(tuned._compiled_metrics)
 
 
 def test_compiled_evaluation_compiles_once_for_every_batch_size():

@@ -152,6 +152,10 @@ def test_accelerate_launch_configs_cover_cpu_ddp_gpus_multi_node_and_fsdp_and_le
                                                              "objective=mse (src.objectives.regression.MeanSquaredError) reports"),
         (["data=jsonl"], "data=jsonl gives targets equal to the inputs (Hugging Face's labels convention), which "
                          "objective=cross_entropy does not shift"),
+        (["trainer.compile_mode=reduce-overhead"], "trainer.compile_mode=reduce-overhead expected one of [default, "
+                                                   "max-autotune-no-cudagraphs] (torch.compile's mode"),
+        (["trainer.compile_mode=max-autotune-no-cudagraphs"], "trainer.compile_mode=max-autotune-no-cudagraphs needs "
+                                                              "trainer.compile=true"),
     ],
 )
 def test_bad_value_is_refused_naming_the_key_and_what_is_allowed(overrides, message):

@@ -51,6 +51,18 @@ def test_deterministic_cuda_runs_with_dropout_are_bitwise_equal(tmp_path):
     assert max_abs_diff(exported_weights(tmp_path / "a"), exported_weights(tmp_path / "b")) == 0
 
 
+def test_the_autotuned_compiled_step_trains_the_losses_of_the_eager_one(tmp_path):
+    """trainer.compile_mode=max-autotune-no-cudagraphs: on a GPU the compiler benchmarks Triton matmul templates
+    (on CPU it has none to try for fp32, so only here is the autotuning itself exercised)."""
+    args = [*SHORT, "trainer.max_steps=4", "trainer.mixed_precision=bf16", "scheduler=constant"]
+    gpu_run([*args, f"hydra.run.dir={tmp_path / 'eager'}"])
+    proc = gpu_run([*args, "trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs",
+                    f"hydra.run.dir={tmp_path / 'tuned'}"], timeout=600)
+    assert "the training step (mode max-autotune-no-cudagraphs)" in proc.stdout
+    eager, tuned = scalars(tmp_path / "eager", "train/loss"), scalars(tmp_path / "tuned", "train/loss")
+    assert eager.keys() == tuned.keys() and all(abs(eager[s] - tuned[s]) < 0.05 for s in eager), (eager, tuned)
+
+
 def test_auto_micro_batch_backs_off_from_a_real_out_of_memory_error(tmp_path):
     # 512 samples of 1024 tokens through this GPT need ~160 GB of fp32 activations; a divisor further down fits.
     proc = gpu_run(["model.n_layer=4", "model.n_head=8", "model.n_embd=1024", "model.block_size=1024",

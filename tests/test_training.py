@@ -108,7 +108,8 @@ def test_eval_entry_point_reproduces_the_final_eval_metric_of_training(tmp_path)
 def test_a_compiled_ddp_run_learns_what_the_eager_one_does_and_exports_weights_a_fresh_model_loads(tmp_path):
     args = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "data.batch_size=8", "trainer.eval_batches=3"]
     for mode in ("eager", "compiled"):
-        run([*args, f"trainer.compile={mode == 'compiled'}", f"hydra.run.dir={tmp_path / mode}"], nproc=2)
+        proc = run([*args, f"trainer.compile={mode == 'compiled'}", f"hydra.run.dir={tmp_path / mode}"], nproc=2)
+    assert "torch.compile               : the training step (mode default) and evaluation" in proc.stdout
     eager, compiled = scalars(tmp_path / "eager", "train/loss"), scalars(tmp_path / "compiled", "train/loss")
     assert eager.keys() == compiled.keys() and all(abs(eager[s] - compiled[s]) < 1e-4 for s in eager)
     assert abs(scalars(tmp_path / "eager", "eval/loss")[6] - scalars(tmp_path / "compiled", "eval/loss")[6]) < 1e-4

@@ -24,6 +24,8 @@ def describe_launch(accelerator: Accelerator, cfg: DictConfig, settings: LaunchS
         if accelerator.device.type == "cpu" else accelerator.device,
         "mixed precision": f"{accelerator.mixed_precision} ({settings.mixed_precision.source})",
         "deterministic kernels": torch.are_deterministic_algorithms_enabled(),
+        "torch.compile": f"the training step (mode {cfg.trainer.compile_mode}) and evaluation"
+        if cfg.trainer.compile else "off",
         "gradient accumulation steps": f"{accumulation} ({settings.gradient_accumulation_steps.source})",
         "batch size per process": per_process,
         "global batch size": f"{per_process * accelerator.num_processes * accumulation} "

@@ -13,7 +13,9 @@ the compiler's `_orig_mod.` prefix. Under DDP the compiler splits the model's gr
 (its DDPOptimizer), so communication still overlaps the backward pass.
 
 Evaluation compiles its own function (no backward, no dropout) once for every batch size: the batch dimension
-is marked dynamic, so a last partial batch or data.eval_batch_size costs no recompilation.
+is marked dynamic, so a last partial batch or data.eval_batch_size costs no recompilation. trainer.compile_mode
+applies to the training step only: evaluation runs a few batches per evaluation, so kernel autotuning would
+cost more compile time than it could win back.
 """
 
 from typing import Any, Mapping
@@ -26,9 +28,9 @@ from src.objectives.base import Objective
 
 
 class Forward:
-    def __init__(self, objective: Objective, compile: bool):
+    def __init__(self, objective: Objective, compile: bool, mode: str = "default"):
         self.objective = objective
-        self._train_step = torch.compile(self._loss_sum) if compile else self._loss_sum
+        self._train_step = torch.compile(self._loss_sum, mode=mode) if compile else self._loss_sum
         self._compiled_metrics = torch.compile(self._metrics) if compile else None
 
     def loss_sum(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:

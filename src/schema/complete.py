@@ -129,6 +129,9 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
         if trainer.eval_every == 0:
             problems.append("trainer.early_stopping_patience needs trainer.eval_every > 0: with 0 the run evaluates "
                             "only at its end, so nothing could stop it early")
+    if trainer.compile_mode != "default" and not trainer.compile:
+        problems.append(f"trainer.compile_mode={trainer.compile_mode} needs trainer.compile=true: without it nothing "
+                        "is compiled")
     for key in ("eval_every", "checkpoint_every"):
         if trainer.max_steps is not None and trainer[key] > trainer.max_steps:
             warnings.append(f"trainer.{key}={trainer[key]} > trainer.max_steps={trainer.max_steps}: only the end of "

@@ -76,6 +76,11 @@ class TrainerConfig:
     tracker_project: Annotated[str, Arg("the MLflow experiment / W&B project the run belongs to")] = "train"
     compile: Annotated[bool, Arg(
         "torch.compile each micro-step's forward pass and loss as one graph, and evaluation")] = False
+    compile_mode: Annotated[Literal["default", "max-autotune-no-cudagraphs"], Arg(
+        "torch.compile's mode for the training step: max-autotune-no-cudagraphs times candidate kernels for the "
+        "matrix products (a longer first compile, often a faster GPU step); evaluation keeps the default. The CUDA "
+        "graph modes (reduce-overhead, max-autotune) are not offered: their replays reuse the buffers of earlier "
+        "outputs, and the loop (accumulation, DDP's hooks) has not been verified under them")] = "default"
     auto_micro_batch: Annotated[bool, Arg(
         "use the largest per-process micro-batch that fits, with accumulation making up the rest, so the global "
         "batch and the loss stay exactly as configured; chosen once, saved, reused on resume")] = False
