@@ -13,6 +13,8 @@ The export of such a model is also a Hugging Face folder: `AutoModelForCausalLM.
 """
 
 import logging
+import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
@@ -46,8 +48,11 @@ def causal_lm_from_config(
     try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as transformers_logging
     except ImportError as error:
         raise UsageError("model=hf_causal_lm needs transformers: pip install -r requirements-extras.txt") from error
+    if not sys.stderr.isatty():  # as our own progress bar: in a log file (SLURM, nohup) a bar is \r-garbage,
+        transformers_logging.disable_progress_bar()  # here at every load and at every checkpoint's save
     options = {"dtype": getattr(torch, dtype or "float32")}
     if attn_implementation:
         options["attn_implementation"] = attn_implementation
@@ -77,7 +82,9 @@ def _with_adapter(model: Any, peft_config: dict) -> Any:
         raise UsageError("model.peft needs peft: pip install -r requirements-extras.txt") from error
     try:
         config = get_peft_config({"task_type": "CAUSAL_LM", **peft_config})
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft reads an attribute transformers 5 deprecates: not the user's to act on
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return get_peft_model(model, config)
     except (KeyError, TypeError, ValueError) as error:
         raise UsageError(f"model.peft={peft_config}: {error}") from error
 
