@@ -153,3 +153,13 @@ def test_resume_in_steps_replaces_a_length_in_epochs(tmp_path):
     resumed = config_for_resume(OmegaConf.merge(saved, {"trainer": {"max_steps": 50}}), checkpoint,
                                 ["trainer.max_steps=50"])
     assert (resumed.trainer.max_steps, resumed.trainer.max_epochs) == (50, None)
+
+
+def test_a_checkpoint_older_than_a_trainer_setting_resumes_with_its_default_unless_the_command_changes_it(tmp_path):
+    saved, checkpoint = saved_run(tmp_path)  # written before trainer.compile_mode (and most settings) existed
+    now = OmegaConf.merge(saved, {"trainer": {"compile_mode": "max-autotune-no-cudagraphs"}})  # e.g. a YAML's
+    resumed = config_for_resume(now, checkpoint, ["trainer.max_steps=10"])
+    assert resumed.trainer.compile_mode == "default" and resumed.trainer.trackers == ["tensorboard"]
+    with pytest.raises(UsageError, match=r"trainer.compile_mode=max-autotune-no-cudagraphs \(the checkpoint has "
+                                         r"default\)"):
+        config_for_resume(now, checkpoint, ["trainer.compile_mode=max-autotune-no-cudagraphs"])

@@ -2,6 +2,7 @@
 that are safe to change on a resume.
 """
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -13,6 +14,7 @@ from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, RUN_CONFIG, STEP_DI
 from src.schema.data_sizes import data_sizes_unresolved
 from src.schema.errors import UsageError
 from src.schema.keys import flatten
+from src.schema.trainer import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,10 @@ DATA_SIZE_PLACEHOLDER = "${dataset:"
 # How the global batch is split may change (e.g. a requeued job given fewer GPUs): load_checkpoint checks
 # that the global batch itself does not.
 LAYOUT_ON_RESUME = {"data.batch_size", "trainer.gradient_accumulation_steps"}
+
+
+# trainer.KEY -> its default, for checkpoints written before KEY existed.
+TRAINER_DEFAULTS = {f"trainer.{field.name}": field.default for field in dataclasses.fields(TrainerConfig)}
 
 
 # null in a config means "the launcher decides"; a checkpoint records the value that was in effect.
@@ -78,6 +84,12 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     new_leaves, old_leaves = _leaves(cfg), _leaves(saved)
     named = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
     scopes = [key if any(_under(leaf, key) for leaf in new_leaves) else "" for key in named]
+    for leaf in sorted(TRAINER_DEFAULTS.keys() - old_leaves.keys()):
+        # A loop setting added since the checkpoint was written: the checkpoint ran with what is now its default.
+        default = TRAINER_DEFAULTS[leaf]
+        old_leaves[leaf] = list(default) if isinstance(default, tuple) else default
+        OmegaConf.update(saved, leaf, old_leaves[leaf], force_add=True)
+        log.info("resume: %s=%s, its default (a setting newer than the checkpoint)", leaf, old_leaves[leaf])
     refused, changed = [], []
     same_samples = _per_process_samples(new_leaves) == _per_process_samples(old_leaves)
     if old_leaves.get("trainer.auto_micro_batch") and same_samples:
