@@ -119,7 +119,7 @@ def hand_written(args) -> None:
         return F.cross_entropy(logits.float().flatten(0, -2), y.flatten(), reduction="sum")
 
     if trainer.compile:  # the model and its loss as one graph, as the template compiles them
-        micro_step_loss = torch.compile(micro_step_loss)
+        micro_step_loss = torch.compile(micro_step_loss, mode=trainer.compile_mode)
     dataset = data.train
     epoch_steps = len(dataset) // (B * K * world)  # whole global batches per epoch
     times, tokens_per_step = [], 0
