@@ -51,16 +51,17 @@ def test_deterministic_cuda_runs_with_dropout_are_bitwise_equal(tmp_path):
     assert max_abs_diff(exported_weights(tmp_path / "a"), exported_weights(tmp_path / "b")) == 0
 
 
-def test_the_autotuned_compiled_step_trains_the_losses_of_the_eager_one(tmp_path):
+def test_the_autotuned_compiled_step_trains_with_accumulation(tmp_path):
     """trainer.compile_mode=max-autotune-no-cudagraphs: on a GPU the compiler benchmarks Triton matmul templates
-    (on CPU it has none to try for fp32, so only here is the autotuning itself exercised)."""
-    args = [*SHORT, "trainer.max_steps=4", "trainer.mixed_precision=bf16", "scheduler=constant"]
-    gpu_run([*args, f"hydra.run.dir={tmp_path / 'eager'}"])
-    proc = gpu_run([*args, "trainer.compile=true", "trainer.compile_mode=max-autotune-no-cudagraphs",
-                    f"hydra.run.dir={tmp_path / 'tuned'}"], timeout=600)
+    (on CPU it has none to try for fp32, so only here is the autotuning itself exercised; the eager loss and
+    gradients of the compiled step are tests/test_compiled_step.py's). One launch: `-m gpu` has 5 minutes."""
+    run_dir = tmp_path / "tuned"
+    proc = gpu_run([*SHORT, "trainer.max_steps=8", "trainer.mixed_precision=bf16", "scheduler=constant",
+                    "trainer.gradient_accumulation_steps=2", "trainer.compile=true",
+                    "trainer.compile_mode=max-autotune-no-cudagraphs", f"hydra.run.dir={run_dir}"], timeout=600)
     assert "the training step (mode max-autotune-no-cudagraphs)" in proc.stdout
-    eager, tuned = scalars(tmp_path / "eager", "train/loss"), scalars(tmp_path / "tuned", "train/loss")
-    assert eager.keys() == tuned.keys() and all(abs(eager[s] - tuned[s]) < 0.05 for s in eager), (eager, tuned)
+    losses = scalars(run_dir, "train/loss")
+    assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1] - 0.1, losses
 
 
 def test_auto_micro_batch_backs_off_from_a_real_out_of_memory_error(tmp_path):
