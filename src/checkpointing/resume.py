@@ -2,7 +2,6 @@
 that are safe to change on a resume.
 """
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -14,6 +13,7 @@ from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, RUN_CONFIG, STEP_DI
 from src.schema.data_sizes import data_sizes_unresolved
 from src.schema.errors import UsageError
 from src.schema.keys import flatten
+from src.schema.signature import complete, schema_of
 from src.schema.trainer import TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -37,10 +37,6 @@ DATA_SIZE_PLACEHOLDER = "${dataset:"
 # How the global batch is split may change (e.g. a requeued job given fewer GPUs): load_checkpoint checks
 # that the global batch itself does not.
 LAYOUT_ON_RESUME = {"data.batch_size", "trainer.gradient_accumulation_steps"}
-
-
-# trainer.KEY -> its default, for checkpoints written before KEY existed.
-TRAINER_DEFAULTS = {f"trainer.{field.name}": field.default for field in dataclasses.fields(TrainerConfig)}
 
 
 # null in a config means "the launcher decides"; a checkpoint records the value that was in effect.
@@ -81,15 +77,14 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     command (e.g. a requeued SLURM job) resumes, while YAML defaults edited since do not leak in.
     """
     saved = OmegaConf.load(checkpoint / CONFIG_FILE)
+    trainer, _ = complete(saved.trainer, schema_of(TrainerConfig), "trainer.")
+    for key in sorted(trainer.keys() - saved.trainer.keys()):
+        # A loop setting added since the checkpoint was written: the checkpoint ran with what is now its default.
+        OmegaConf.update(saved, f"trainer.{key}", trainer[key], force_add=True)
+        log.info("resume: trainer.%s=%s, its default (a setting newer than the checkpoint)", key, trainer[key])
     new_leaves, old_leaves = _leaves(cfg), _leaves(saved)
     named = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
     scopes = [key if any(_under(leaf, key) for leaf in new_leaves) else "" for key in named]
-    for leaf in sorted(TRAINER_DEFAULTS.keys() - old_leaves.keys()):
-        # A loop setting added since the checkpoint was written: the checkpoint ran with what is now its default.
-        default = TRAINER_DEFAULTS[leaf]
-        old_leaves[leaf] = list(default) if isinstance(default, tuple) else default
-        OmegaConf.update(saved, leaf, old_leaves[leaf], force_add=True)
-        log.info("resume: %s=%s, its default (a setting newer than the checkpoint)", leaf, old_leaves[leaf])
     refused, changed = [], []
     same_samples = _per_process_samples(new_leaves) == _per_process_samples(old_leaves)
     if old_leaves.get("trainer.auto_micro_batch") and same_samples:
