@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
 from statistics import mean, median
 
@@ -662,6 +663,8 @@ def stop_vote(args) -> dict:
 
 
 def main() -> None:
+    from src.schema.trainer import CompileMode
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("parity", help="the template against an exact hand-written loop")
@@ -690,7 +693,7 @@ def main() -> None:
     g.add_argument("--model-shape", default=GPT2_SHAPE, help="n_layer,n_head,n_embd,block_size")
     g.add_argument("--device", default="cuda", help="cpu: a dry run of the plumbing with a small --model-shape")
     g.add_argument("--mixed-precision", default="bf16", choices=["bf16", "no"])
-    g.add_argument("--compile-mode", default="default", choices=["default", "max-autotune-no-cudagraphs"],
+    g.add_argument("--compile-mode", default="default", choices=typing.get_args(CompileMode),
                    help="the template's trainer.compile_mode in the compiled runs (nanoGPT's stays torch's default)")
     c = commands.add_parser("checkpoint", help="checkpoint save MB/s against a raw write")
     c.add_argument("--n-layer", type=int, default=8)

@@ -59,6 +59,7 @@ def test_the_autotuned_compiled_step_trains_with_accumulation(tmp_path):
     proc = gpu_run([*SHORT, "trainer.max_steps=8", "trainer.mixed_precision=bf16", "scheduler=constant",
                     "trainer.gradient_accumulation_steps=2", "trainer.compile=true",
                     "trainer.compile_mode=max-autotune-no-cudagraphs", f"hydra.run.dir={run_dir}"], timeout=600)
+    assert "device                      : cuda" in proc.stdout
     assert "the training step (mode max-autotune-no-cudagraphs)" in proc.stdout
     losses = scalars(run_dir, "train/loss")
     assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1] - 0.1, losses

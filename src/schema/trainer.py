@@ -7,6 +7,8 @@ from typing import Annotated, Literal, Optional
 
 from src.schema.signature import Arg
 
+CompileMode = Literal["default", "max-autotune-no-cudagraphs"]  # also the GPU benchmark's --compile-mode choices
+
 
 @dataclass
 class TrainerConfig:
@@ -76,7 +78,7 @@ class TrainerConfig:
     tracker_project: Annotated[str, Arg("the MLflow experiment / W&B project the run belongs to")] = "train"
     compile: Annotated[bool, Arg(
         "torch.compile each micro-step's forward pass and loss as one graph, and evaluation")] = False
-    compile_mode: Annotated[Literal["default", "max-autotune-no-cudagraphs"], Arg(
+    compile_mode: Annotated[CompileMode, Arg(
         "torch.compile's mode for the training step: max-autotune-no-cudagraphs times candidate kernels for the "
         "matrix products (a longer first compile, often a faster GPU step); evaluation keeps the default. The CUDA "
         "graph modes (reduce-overhead, max-autotune) are not offered: their replays reuse the buffers of earlier "
