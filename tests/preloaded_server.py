@@ -128,7 +128,10 @@ def become(argv: list[str], env: dict) -> None:
         argv = argv[1:]
     if argv[0] == "-m":
         import runpy
+        import warnings
 
+        # The server imported the module ahead of time, on purpose: runpy's warning about it is about us, not the test.
+        warnings.filterwarnings("ignore", r".* found in sys\.modules after import of package", RuntimeWarning)
         sys.argv, sys.path[0] = [argv[1], *argv[2:]], os.getcwd()
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
