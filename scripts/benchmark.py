@@ -16,6 +16,8 @@ batch (s*K + k)*P + r, the loss summed and divided by the global batch's target 
 all but the last micro-step, clipping, AdamW, the LR schedule. So the final weights must be bitwise equal,
 and the step-time ratio is the template's overhead alone. Both sides run in fresh processes, alternating;
 step time is measured between the first and the last logged step (start-up excluded); medians are compared.
+With --cpu-time, also the CPU time and minor page faults per step of all of a side's processes (a shorter run
+of each cancels start-up): whether a gap is work or waiting, and whether the allocator returns memory each step.
 """
 
 import argparse
@@ -173,21 +175,22 @@ def peak_memory_gib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def run_hand_written(args, processes: int, weights: Path) -> dict:
+def run_hand_written(args, processes: int, weights: Path, steps: int) -> dict:
     launcher = ([sys.executable] if processes == 1 else
                 [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
                  f"--master_port={free_port()}"])
     cmd = [*launcher, __file__, "_hand_written", f"--weights={weights}", f"--device={args.device}",
-           f"--mixed-precision={args.mixed_precision}", *args.overrides]
+           f"--mixed-precision={args.mixed_precision}", *args.overrides, f"trainer.max_steps={steps}"]
     out = run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_template(args, processes: int, run_dir: Path) -> dict:
+def run_template(args, processes: int, run_dir: Path, steps: int) -> dict:
     launcher = ["accelerate", "launch"] + (["--multi_gpu", f"--num_processes={processes}",
                                            f"--main_process_port={free_port()}"] if processes > 1 else [])
-    cmd = [*launcher, "train.py", *args.overrides, "trainer.eval_every=0", "trainer.checkpoint_every=0",
-           "trainer.monitor=null", f"trainer.mixed_precision={args.mixed_precision}", f"hydra.run.dir={run_dir}"]
+    cmd = [*launcher, "train.py", *args.overrides, f"trainer.max_steps={steps}", "trainer.eval_every=0",
+           "trainer.checkpoint_every=0", "trainer.monitor=null", f"trainer.mixed_precision={args.mixed_precision}",
+           f"hydra.run.dir={run_dir}"]
     run(cmd, env={**os.environ, "TQDM_DISABLE": "1"})
     events = scalars(run_dir, "train/loss")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -205,10 +208,42 @@ def weights_equal(template_model: Path, hand_weights: Path) -> bool:
     return ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
 
 
+def children_usage() -> tuple[float, int]:
+    """CPU seconds (user + system) and minor page faults of every finished child process and its descendants."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
+
+
+def with_cpu_per_step(args, side, steps: int, short_steps: int, short_dir, run_dir) -> dict:
+    """A side's run, plus (with --cpu-time) the CPU time and page faults of all its processes per step: a run of
+    `steps` minus one of `short_steps`, so that start-up and exit cancel."""
+    if not args.cpu_time:
+        return side(steps, run_dir)
+    before = children_usage()
+    side(short_steps, short_dir)
+    middle = children_usage()
+    result = side(steps, run_dir)
+    after = children_usage()
+    extra = steps - short_steps
+    result["cpu_ms_per_step"] = ((after[0] - middle[0]) - (middle[0] - before[0])) / extra * 1e3
+    result["page_faults_per_step"] = ((after[1] - middle[1]) - (middle[1] - before[1])) / extra
+    return result
+
+
 def parity(args) -> dict:
-    fixed = [f"trainer.max_steps={args.steps}", f"trainer.log_every={args.log_every}"]
+    fixed = [f"trainer.log_every={args.log_every}"]
     args.overrides = [*fixed, *args.overrides]
-    cfg = compose_config(args.overrides)
+    cfg = compose_config([f"trainer.max_steps={args.steps}", *args.overrides])
+    short_steps = 2 * args.log_every  # the template times steps between logs: a short run needs two
+    if args.cpu_time and args.steps <= short_steps:
+        sys.exit(f"--cpu-time needs --steps above 2 x --log-every ({short_steps})")
+
+    def template(processes: int):
+        return lambda steps, run_dir: run_template(args, processes, run_dir, steps)
+
+    def hand(processes: int):
+        return lambda steps, weights: run_hand_written(args, processes, weights, steps)
+
     report = {}
     with tempfile.TemporaryDirectory() as tmp:
         for processes in args.processes:
@@ -216,11 +251,17 @@ def parity(args) -> dict:
             equal = True
             for repeat in range(args.repeats):
                 run_dir, weights = Path(tmp) / f"p{processes}-{repeat}", Path(tmp) / f"hand-p{processes}-{repeat}.pt"
-                in_turn(repeat, lambda: runs["template"].append(run_template(args, processes, run_dir)),
-                        lambda: runs["hand_written"].append(run_hand_written(args, processes, weights)))
+                short_dir, short_weights = Path(tmp) / f"short-p{processes}-{repeat}", Path(tmp) / "short.pt"
+                in_turn(repeat, lambda: runs["template"].append(
+                            with_cpu_per_step(args, template(processes), args.steps, short_steps, short_dir, run_dir)),
+                        lambda: runs["hand_written"].append(
+                            with_cpu_per_step(args, hand(processes), args.steps, short_steps, short_weights, weights)))
                 equal &= weights_equal(run_dir / "model", weights)
-                print(f"{processes} process(es), run {repeat + 1}: template {runs['template'][-1]['step_time_s']*1e3:.1f}"
-                      f" ms/step, hand-written {runs['hand_written'][-1]['step_time_s']*1e3:.1f} ms/step, weights "
+                ours, theirs = runs["template"][-1], runs["hand_written"][-1]
+                cpu = (f" (CPU {ours['cpu_ms_per_step']:.1f} against {theirs['cpu_ms_per_step']:.1f} ms/step)"
+                       if args.cpu_time else "")
+                print(f"{processes} process(es), run {repeat + 1}: template {ours['step_time_s']*1e3:.1f}"
+                      f" ms/step, hand-written {theirs['step_time_s']*1e3:.1f} ms/step{cpu}, weights "
                       f"equal so far: {equal}", file=sys.stderr, flush=True)
             ours = median(r["step_time_s"] for r in runs["template"])
             theirs = median(r["step_time_s"] for r in runs["hand_written"])
@@ -235,6 +276,13 @@ def parity(args) -> dict:
                 "template_peak_memory_gib": round(max(r["peak_memory_gib"] for r in runs["template"]), 3),
                 "hand_written_peak_memory_gib": round(max(r["peak_memory_gib"] for r in runs["hand_written"]), 3),
             }
+            if args.cpu_time:
+                for key in ("cpu_ms_per_step", "page_faults_per_step"):
+                    for side, side_runs in runs.items():
+                        report[str(processes)][f"{side}_{key}_runs"] = [round(r[key], 1) for r in side_runs]
+                report[str(processes)]["cpu_time_ratio"] = round(
+                    median(r["cpu_ms_per_step"] for r in runs["template"]) /
+                    median(r["cpu_ms_per_step"] for r in runs["hand_written"]), 3)
             if args.peak_tflops:
                 from src.reporting.telemetry import flops_per_token
                 from src.schema.build import build
@@ -672,6 +720,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--peak-tflops", type=float, help="one device's peak dense TFLOP/s, for MFU")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="also each side's CPU time and page faults per step (one more, shorter run per run)")
     h = commands.add_parser("_hand_written")  # one side of parity, in its own process(es)
     h.add_argument("--weights", required=True)
     for q in (p, h):

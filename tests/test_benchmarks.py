@@ -3,7 +3,9 @@ so a change that breaks it must show here first, not on the day of the measureme
 
 import importlib.util
 import json
+import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,6 +27,18 @@ def test_in_turn_puts_each_side_first_in_every_other_pair():
         benchmark_module().in_turn(repeat, lambda: order.append("template"), lambda: order.append("reference"))
     assert [order[i] for i in range(0, 8, 2)] == ["template", "reference", "template", "reference"]
     assert sorted(order) == ["reference"] * 4 + ["template"] * 4
+
+
+def test_cpu_time_per_step_leaves_out_start_up():
+    """parity --cpu-time: a run of N steps minus a shorter one, so that what a process spends before its first step
+    (imports, compiling) is not spread over the steps. Here a process spends 0.3 s starting and 4 ms a step."""
+    def side(steps, _):
+        burn = f"import time\nwhile time.process_time() < 0.3 + {steps} * 0.004: pass"
+        subprocess.run([sys.executable, "-c", burn], check=True)
+        return {}
+
+    result = benchmark_module().with_cpu_per_step(SimpleNamespace(cpu_time=True), side, 100, 20, None, None)
+    assert result["cpu_ms_per_step"] == pytest.approx(4, rel=0.25), result
 
 
 @pytest.mark.parametrize("overrides", [[], ["experiment=nanogpt_shakespeare_char"],
