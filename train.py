@@ -44,13 +44,15 @@ from src.reporting.run_log import start_run_log, stop_run_log
 from src.reporting.telemetry import Telemetry, process_start_time
 from src.run import build_run
 from src.schema.build import build
+from src.schema.errors import told_to_the_launcher
 
 log = logging.getLogger("train")
 
 
 @hydra.main(config_path="config", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    with lost_ranks_in_our_words(cfg.trainer.get("dist_timeout_s")):  # which rank stopped, not gloo's traceback
+    # Which rank stopped, not gloo's traceback; and the launcher's closing table names our message, not a URL.
+    with told_to_the_launcher(), lost_ranks_in_our_words(cfg.trainer.get("dist_timeout_s")):
         return train(cfg)
 
 

@@ -3,9 +3,42 @@
 import socket
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from src.faults.distributed_errors import DistributedFailure, lost_ranks_in_our_words
+from src.schema.errors import UsageError, told_to_the_launcher
 from tests.conftest import QUIET, TINY_GPT, run
+
+
+def launchers_root_cause(output: str) -> str:
+    """The end of the table of failed ranks that torchrun and `accelerate launch` print last."""
+    assert "Root Cause (first observed failure)" in output, output[-4000:]
+    return output.rsplit("Root Cause (first observed failure)", 1)[1]
+
+
+def test_a_multi_process_launch_refused_before_training_ends_with_its_reason_in_the_launchers_table(tmp_path):
+    """The launcher's closing table of failed ranks is what a user reads last: it names the mistake, not
+    "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"."""
+    failed = run(["trainer.max_steps=0", f"hydra.run.dir={tmp_path / 'run'}"], nproc=2, check=False)
+    assert failed.returncode != 0
+    root_cause = launchers_root_cause(failed.stdout)
+    assert "trainer.max_steps=0 is out of range: must be >= 1" in root_cause, failed.stdout[-4000:]
+    assert "To enable traceback see" not in root_cause
+    assert not (tmp_path / "run").exists()  # refused before the run dir, as on one process
+
+
+@pytest.mark.parametrize("error, message", [
+    (UsageError("trainer.max_steps=0 is out of range"), "trainer.max_steps=0 is out of range"),
+    (ValueError("a bug"), "ValueError: a bug (its traceback is above)"),
+])
+def test_the_launcher_reads_a_failed_workers_message_from_the_file_it_named(tmp_path, monkeypatch, error, message):
+    """What torch's launcher shows in its table (its own parser of the file it gave the worker)."""
+    error_file = tmp_path / "attempt_0" / "1" / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    with pytest.raises(type(error)), told_to_the_launcher():
+        raise error
+    failure = ProcessFailure(local_rank=1, pid=1, exitcode=1, error_file=str(error_file))
+    assert failure.message == message
 
 
 def test_a_parameter_without_gradient_under_ddp_is_named_with_the_key_that_allows_it(tmp_path):
@@ -16,6 +49,7 @@ def test_a_parameter_without_gradient_under_ddp_is_named_with_the_key_that_allow
     assert "these got none (rank 0): unused_head.weight, unused_head.bias" in failed.stdout, failed.stdout[-4000:]
     assert "trainer.ddp_find_unused_parameters=true" in failed.stdout
     assert "Expected to have finished reduction" not in failed.stdout  # torch's wording, and its find_unused_parameters
+    assert "unused_head.weight" in launchers_root_cause(failed.stdout), failed.stdout[-4000:]
     run([*args, "trainer.ddp_find_unused_parameters=true", f"hydra.run.dir={tmp_path / 'allowed'}"], nproc=2)
 
 

@@ -1,5 +1,11 @@
 """The errors that mean "your input is wrong": printed as a message alone, exit status 1."""
 
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+
 from hydra.errors import CompactHydraException
 
 
@@ -13,3 +19,29 @@ class ConfigError(UsageError):
     def __init__(self, problems: list[str]):
         super().__init__("Invalid configuration:\n  " + "\n  ".join(problems))
         self.problems = problems
+
+
+def tell_the_launcher(message: str) -> None:
+    """Under torchrun or `accelerate launch`, the launcher's last words are a table of the failed ranks whose
+    root cause reads "To enable traceback see: https://pytorch.org/..." unless the worker wrote the file the
+    launcher named for it (TORCHELASTIC_ERROR_FILE, in the launcher's temporary folder, not the run's): with
+    this, the table ends with the message that says what to fix."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with contextlib.suppress(OSError):  # the message is printed anyway: the table is where else it shows
+            Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+            Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+
+
+@contextlib.contextmanager
+def told_to_the_launcher():
+    """A run that stops on an exception: our message (a usage error, a non-finite step, a lost rank), or a bug's
+    type and message (its traceback is printed above the table)."""
+    try:
+        yield
+    except CompactHydraException as error:
+        tell_the_launcher(str(error))
+        raise
+    except Exception as error:
+        tell_the_launcher(f"{type(error).__name__}: {error} (its traceback is above)")
+        raise

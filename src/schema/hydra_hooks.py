@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed import TCPStore
 
 from src.schema.complete import base_config, complete_config
-from src.schema.errors import UsageError
+from src.schema.errors import UsageError, tell_the_launcher
 
 
 class ValidateConfig(Callback):
@@ -61,6 +61,7 @@ class ValidateConfig(Callback):
                 print(f"Warning: {warning}", file=sys.stderr)
         except UsageError as error:
             print(error, file=sys.stderr)
+            tell_the_launcher(str(error))
             # Hydra turns a callback's exceptions into warnings and carries on; SystemExit is not an Exception.
             raise SystemExit(1)
         except Exception:  # a bug in a check must not let the run start unchecked
