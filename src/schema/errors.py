@@ -1,4 +1,5 @@
-"""The errors that mean "your input is wrong": printed as a message alone, exit status 1."""
+"""The errors that mean "your input is wrong": printed as a message alone, exit status 1; under a multi-process
+launcher, also the root cause in its closing table of failed ranks."""
 
 import contextlib
 import json

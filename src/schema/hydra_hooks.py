@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed import TCPStore
 
 from src.schema.complete import base_config, complete_config
-from src.schema.errors import UsageError, tell_the_launcher
+from src.schema.errors import UsageError, told_to_the_launcher
 
 
 class ValidateConfig(Callback):
@@ -53,15 +53,15 @@ class ValidateConfig(Callback):
 
         warnings = []
         try:
-            check_run_dir_can_be_made(run_dir)
-            if multirun:
-                check_submitit_slurm(config.hydra)
-            launch_settings(complete_config(config, warnings).trainer)
+            with told_to_the_launcher():
+                check_run_dir_can_be_made(run_dir)
+                if multirun:
+                    check_submitit_slurm(config.hydra)
+                launch_settings(complete_config(config, warnings).trainer)
             for warning in warnings if launched_rank() == 0 else []:  # every rank checks; one says so
                 print(f"Warning: {warning}", file=sys.stderr)
         except UsageError as error:
             print(error, file=sys.stderr)
-            tell_the_launcher(str(error))
             # Hydra turns a callback's exceptions into warnings and carries on; SystemExit is not an Exception.
             raise SystemExit(1)
         except Exception:  # a bug in a check must not let the run start unchecked
