@@ -22,27 +22,21 @@ class ConfigError(UsageError):
         self.problems = problems
 
 
-def tell_the_launcher(message: str) -> None:
-    """Under torchrun or `accelerate launch`, the launcher's last words are a table of the failed ranks whose
-    root cause reads "To enable traceback see: https://pytorch.org/..." unless the worker wrote the file the
-    launcher named for it (TORCHELASTIC_ERROR_FILE, in the launcher's temporary folder, not the run's): with
-    this, the table ends with the message that says what to fix."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        with contextlib.suppress(OSError):  # the message is printed anyway: the table is where else it shows
-            Path(error_file).parent.mkdir(parents=True, exist_ok=True)
-            Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
-
-
 @contextlib.contextmanager
 def told_to_the_launcher():
-    """A run that stops on an exception: our message (a usage error, a non-finite step, a lost rank), or a bug's
-    type and message (its traceback is printed above the table)."""
+    """Under torchrun or `accelerate launch`, the launcher's last words are a table of the failed ranks whose
+    root cause reads "To enable traceback see: https://pytorch.org/..." unless the worker wrote the file the
+    launcher named for it (TORCHELASTIC_ERROR_FILE, in the launcher's temporary folder, not the run's). A run
+    that stops on an exception writes it there: our message (a usage error, a non-finite step, a lost rank), or
+    a bug's type and message (its traceback is printed above the table)."""
     try:
         yield
-    except CompactHydraException as error:
-        tell_the_launcher(str(error))
-        raise
     except Exception as error:
-        tell_the_launcher(f"{type(error).__name__}: {error} (its traceback is above)")
+        error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        if error_file:
+            message = (str(error) if isinstance(error, CompactHydraException) else
+                       f"{type(error).__name__}: {error} (its traceback is above)")
+            with contextlib.suppress(OSError):  # the message is printed anyway: the table is where else it shows
+                Path(error_file).parent.mkdir(parents=True, exist_ok=True)
+                Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
         raise
