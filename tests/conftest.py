@@ -113,6 +113,12 @@ def run(args: list[str], script: str = "train.py", nproc: int = 1, launcher: str
     return subprocess.CompletedProcess(proc.args, proc.returncode, output)
 
 
+def launchers_root_cause(output: str) -> str:
+    """The end of the table of failed ranks that torchrun and `accelerate launch` print last."""
+    assert "Root Cause (first observed failure)" in output, output[-4000:]
+    return output.rsplit("Root Cause (first observed failure)", 1)[1]
+
+
 def wait_for(condition, proc, timeout: float = 120) -> None:
     """Until condition() holds, while the launch `proc` runs (an assertion error if it ends first)."""
     deadline = time.monotonic() + timeout

@@ -7,13 +7,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from src.faults.distributed_errors import DistributedFailure, lost_ranks_in_our_words
 from src.schema.errors import UsageError, told_to_the_launcher
-from tests.conftest import QUIET, TINY_GPT, run
-
-
-def launchers_root_cause(output: str) -> str:
-    """The end of the table of failed ranks that torchrun and `accelerate launch` print last."""
-    assert "Root Cause (first observed failure)" in output, output[-4000:]
-    return output.rsplit("Root Cause (first observed failure)", 1)[1]
+from tests.conftest import QUIET, TINY_GPT, launchers_root_cause, run
 
 
 def test_a_multi_process_launch_refused_before_training_ends_with_its_reason_in_the_launchers_table(tmp_path):
