@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 import src.schema.hydra_hooks  # noqa: F401  (registers the base config and the run-dir timestamp with Hydra)
 from src.checkpointing.export import export_model
-from src.checkpointing.load import load_checkpoint
+from src.checkpointing.load import load_checkpoint, seed_this_ranks_stream
 from src.checkpointing.save import Checkpointer
 from src.faults.distributed_errors import lost_ranks_in_our_words
 from src.faults.hang_watch import HangWatch
@@ -79,6 +79,8 @@ def train(cfg: DictConfig) -> float | None:
     ema = build_ema(accelerator, model, trainer.ema_decay)  # registered for checkpointing: load_state restores it
     if checkpoint:
         load_checkpoint(accelerator, checkpoint, state, trainer.seed, restart_epoch=run.data_changed)
+    else:  # the model was initialised alike on every rank; from here each rank draws its own dropout masks
+        seed_this_ranks_stream(trainer.seed, state.step, accelerator.process_index)
     start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, run.launch, run_dir, model), state.step)
     export = lambda directory, module=model: export_model(accelerator, module, cfg.model, directory,  # noqa: E731
                                                           data.codec)

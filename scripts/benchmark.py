@@ -123,6 +123,7 @@ def hand_written(args) -> None:
 
     if trainer.compile:  # the model and its loss as one graph, as the template compiles them
         micro_step_loss = torch.compile(micro_step_loss, mode=trainer.compile_mode)
+    torch.manual_seed(seed + 1_000_003 + rank)  # each rank its own dropout stream, as the template seeds it
     dataset = data.train
     epoch_steps = len(dataset) // (B * K * world)  # whole global batches per epoch
     times, tokens_per_step = [], 0

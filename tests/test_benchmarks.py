@@ -50,8 +50,10 @@ def test_the_benchmarks_compose_the_configs_they_run(overrides):
 
 @pytest.mark.slow
 def test_the_parity_benchmarks_hand_written_loop_trains_the_templates_weights_bitwise():
-    """Its step-time ratio means something only while the hand-written loop makes exactly train.py's arithmetic."""
-    proc = run(["parity", "--repeats", "1", "--steps", "6", "--log-every", "2", "--processes", "1", "2"],
+    """Its step-time ratio means something only while the hand-written loop makes exactly train.py's arithmetic
+    (with dropout on, so its random streams too: one per rank)."""
+    proc = run(["parity", "model.dropout=0.1", "--repeats", "1", "--steps", "6", "--log-every", "2", "--processes",
+                "1", "2"],
                command=[sys.executable, "scripts/benchmark.py"], timeout=600)
     verdict = json.loads(proc.stdout.strip().splitlines()[-1])
     assert verdict["1"]["weights_equal"] and verdict["2"]["weights_equal"], verdict

@@ -6,19 +6,25 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import (QUIET, ROOT, TINY_GPT, exported_weights, free_port, launch_command, max_abs_diff, run,
                             scalars)
 
 
-def test_two_process_run_is_real_ddp_with_identical_replicas_and_one_set_of_outputs(tmp_path):
+def test_two_process_run_is_real_ddp_with_identical_replicas_own_dropout_streams_and_one_set_of_outputs(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=12", "trainer.eval_every=6", "data.batch_size=8",
-                f"hydra.run.dir={run_dir}"], nproc=2)
+    proc = run([*TINY_GPT, *QUIET, "model.dropout=0.1", "trainer.max_steps=12", "trainer.eval_every=6",
+                "data.batch_size=8", f"hydra.run.dir={run_dir}"], nproc=2)
     assert "distributed type            : DistributedType.MULTI_CPU" in proc.stdout
     assert proc.stdout.count("distributed type ") == 1  # the banner is printed once, by rank 0
     fingerprints = re.search(r"parameter fingerprint per rank .*: \[(.*)\]", proc.stdout).group(1).split(", ")
     assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
+    # The same masks on both ranks would correlate the global batch's samples: each rank's stream is its own.
+    checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    rank_streams = [torch.load(checkpoint / f"random_states_{rank}.pkl", weights_only=False)["torch_manual_seed"]
+                    for rank in (0, 1)]
+    assert not torch.equal(*rank_streams)
     assert len(list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))) == 1
     assert sorted(p.name for p in run_dir.iterdir()) == [
         "checkpoints", "config.yaml", "model", "model_best", "summary.json", "tensorboard", "train.log"]

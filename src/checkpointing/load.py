@@ -39,12 +39,20 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
         if not torch.equal(torch.get_rng_state(), safe_load(rng_file)["torch_manual_seed"]):
             raise RuntimeError(f"the RNG state in {rng_file} was not restored; resuming would not be exact")
     elif not rng_file.is_file():  # a rank the writing run did not have: its own stream, not rank 0's copy
-        set_seed(seed + 1_000_003 * (saved["step"] + 1) + accelerator.process_index)
+        seed_this_ranks_stream(seed, saved["step"], accelerator.process_index)
     state.load_state_dict({key: value for key, value in saved.items() if key in POSITION_KEYS})
     if restart_epoch and state.samples_into_epoch:
         state.epoch, state.samples_into_epoch = state.epoch + 1, 0
     log.info("resumed from %s at step %d (epoch %d, %d samples in)", checkpoint, state.step, state.epoch,
              state.samples_into_epoch)
+
+
+def seed_this_ranks_stream(seed: int, step: int, process_index: int) -> None:
+    """Seed the random stream the training steps after `step` draw from (dropout's masks, anything the model
+    draws): one per rank, as the same masks on every rank would correlate the samples of a global batch, and
+    apart from the stream that initialised the model (alike on every rank: FSDP shards each rank's own copy).
+    A fresh run seeds it at step 0; a resume on another layout at its checkpoint's step."""
+    set_seed(seed + 1_000_003 * (step + 1) + process_index)
 
 
 POSITION_KEYS = ("step", "epoch", "samples_into_epoch", "best_metric", "best_step", "early_stopping_best",

@@ -23,7 +23,8 @@ class TrainerConfig:
     mixed_precision: Annotated[Optional[Literal["no", "fp16", "bf16", "auto"]], Arg(
         "autocast dtype (auto: bf16 where the device computes it natively, recent GPUs and CPUs with AVX-512-BF16 "
         "or AMX, else no; null: the launcher's --mixed_precision or `accelerate config` answer, else no)")] = None
-    seed: Annotated[int, Arg("seed for model init, data order, dropout", ge=0)] = 1337
+    seed: Annotated[int, Arg("seed for model init (alike on every rank), data order, dropout (a stream per rank)",
+                             ge=0)] = 1337
     deterministic: Annotated[bool, Arg(
         "deterministic kernels only (torch.use_deterministic_algorithms, cuDNN without autotuning, "
         "CUBLAS_WORKSPACE_CONFIG): bitwise-repeatable runs on GPUs too, at some speed; an op without a "
