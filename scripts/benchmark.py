@@ -623,12 +623,13 @@ def gpu(args) -> dict:
         tokens = np.frombuffer((ROOT / "data" / "tinyshakespeare.txt").read_bytes(), dtype=np.uint8).astype(np.uint16)
         bin_file = tmp / "bytes.bin"
         tokens.tofile(bin_file)
-        work = tmp / "nanoGPT"
-        shutil.copytree(Path(args.nanogpt).resolve(), work, ignore=shutil.ignore_patterns(".git", "out*"))
-        (work / "data" / "bench_bytes").mkdir(parents=True)
-        split = int(len(tokens) * 0.95)  # no meta.pkl: nanoGPT then uses vocab 50304, as the template is told
-        tokens[:split].tofile(work / "data" / "bench_bytes" / "train.bin")
-        tokens[split:].tofile(work / "data" / "bench_bytes" / "val.bin")
+        work = tmp / "nanoGPT" if args.nanogpt else None
+        if work:
+            shutil.copytree(Path(args.nanogpt).resolve(), work, ignore=shutil.ignore_patterns(".git", "out*"))
+            (work / "data" / "bench_bytes").mkdir(parents=True)
+            split = int(len(tokens) * 0.95)  # no meta.pkl: nanoGPT then uses vocab 50304, as the template is told
+            tokens[:split].tofile(work / "data" / "bench_bytes" / "train.bin")
+            tokens[split:].tofile(work / "data" / "bench_bytes" / "val.bin")
         cfg = compose_config(["experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}",
                               "data.vocab_size=50304"])
         cfg = resolve_data_sizes(cfg, build(cfg.data, group="data").sizes())
@@ -638,11 +639,14 @@ def gpu(args) -> dict:
             tokens_per_step = batch * accumulation * int(args.model_shape.split(",")[3])
             for compiled in [mode == "compiled" for mode in args.modes]:
                 name = f"{shape} {'compiled' if compiled else 'eager'}"
-                runs = {"template": [], "nanogpt": []}
+                runs = {"template": [], **({"nanogpt": []} if work else {})}
                 for repeat in range(args.repeats):
-                    in_turn(repeat, lambda: runs["template"].append(gpu_template(
-                                args, batch, accumulation, compiled, tmp / f"{shape}-{compiled}-{repeat}", bin_file)),
-                            lambda: runs["nanogpt"].append(gpu_nanogpt(args, batch, accumulation, compiled, work)))
+                    sides = [lambda: runs["template"].append(gpu_template(
+                        args, batch, accumulation, compiled, tmp / f"{shape}-{compiled}-{repeat}", bin_file))]
+                    if work:
+                        sides.append(lambda: runs["nanogpt"].append(gpu_nanogpt(args, batch, accumulation, compiled,
+                                                                                work)))
+                    in_turn(repeat, *sides)
                 entry = {}
                 for side, results in runs.items():
                     step_s = median(r["step_s"] for r in results)
@@ -652,8 +656,9 @@ def gpu(args) -> dict:
                                    "mfu": round(flops * tokens_per_step / step_s / (peak * 1e12), 4) if peak else None,
                                    "peak_memory_gib": round(max(r["peak_memory_gib"] for r in results), 2)}
                 entry["template"]["final_evaluation_s"] = round(max(r["evaluation_s"] for r in runs["template"]), 2)
-                ours, theirs = entry["template"]["tokens_per_s"], entry["nanogpt"]["tokens_per_s"]
-                entry["tokens_per_s_ratio"] = round(ours / theirs, 3)
+                if work:
+                    ours, theirs = entry["template"]["tokens_per_s"], entry["nanogpt"]["tokens_per_s"]
+                    entry["tokens_per_s_ratio"] = round(ours / theirs, 3)
                 report[name] = entry
                 print(json.dumps({name: entry}), file=sys.stderr, flush=True)
         report["template_first_step_s"] = {mode: round(gpu_first_step(args, mode == "compiled", bin_file, tmp), 2)
@@ -736,7 +741,7 @@ def main() -> None:
     s = commands.add_parser("startup", help="time to the first optimizer step")
     s.add_argument("overrides", nargs="*")
     g = commands.add_parser("gpu", help="the template against nanoGPT on one GPU, GPT-2-124M shape")
-    g.add_argument("--nanogpt", required=True, help="a checkout of karpathy/nanoGPT")
+    g.add_argument("--nanogpt", help="a checkout of karpathy/nanoGPT (without one: the template alone)")
     g.add_argument("--shapes", nargs="+", default=["12x5", "32x2"], help="micro-batch x accumulation steps")
     g.add_argument("--modes", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager"])
     g.add_argument("--steps", type=int, default=60, help="optimizer steps per run (the first 20 are not timed)")

@@ -57,3 +57,15 @@ def test_the_parity_benchmarks_hand_written_loop_trains_the_templates_weights_bi
                command=[sys.executable, "scripts/benchmark.py"], timeout=600)
     verdict = json.loads(proc.stdout.strip().splitlines()[-1])
     assert verdict["1"]["weights_equal"] and verdict["2"]["weights_equal"], verdict
+
+
+@pytest.mark.slow
+def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu():
+    """`gpu` is measured only on a day a GPU is lent: its dry run (CPU, a small model, no nanoGPT checkout, which
+    CI has not) keeps the template's side runnable until then: the runs, their timing and the first-step time."""
+    proc = run(["gpu", "--device", "cpu", "--mixed-precision", "no", "--model-shape", "1,2,32,64", "--shapes", "2x1",
+                "--modes", "eager", "--steps", "30"], command=[sys.executable, "scripts/benchmark.py"], timeout=600)
+    report = json.loads(proc.stdout[proc.stdout.rindex("\n{\n") + 1:])  # the last thing printed
+    entry = report["2x1 eager"]
+    assert list(entry) == ["template"] and entry["template"]["ms_per_step"] > 0, report
+    assert entry["template"]["tokens_per_s"] > 0 and report["template_first_step_s"]["eager"] > 0, report
