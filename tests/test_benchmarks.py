@@ -69,3 +69,19 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu():
     entry = report["2x1 eager"]
     assert list(entry) == ["template"] and entry["template"]["ms_per_step"] > 0, report
     assert entry["template"]["tokens_per_s"] > 0 and report["template_first_step_s"]["eager"] > 0, report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command, measured", [
+    (["startup", "--repeats", "1"], lambda r: r["python train.py: first step"]["median_s"]),
+    (["checkpoint", "--repeats", "1", "--n-layer", "1", "--n-embd", "64"], lambda r: r["template_mb_per_s"]),
+    (["stop-vote", "--repeats", "1", "--steps", "20", "--size", "64"],
+     lambda r: r["async (the loop's)"]["ms_per_step"]),
+], ids=["startup", "checkpoint", "stop-vote"])
+def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
+    """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
+    args = [*command, "--dir", str(tmp_path)] if command[0] == "checkpoint" else command
+    proc = subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert measured(json.loads(proc.stdout)) > 0
