@@ -19,6 +19,14 @@ def benchmark_module():
     return benchmark
 
 
+def benchmark_report(args: list[str]) -> dict:
+    """The JSON report a benchmark prints on stdout (its progress goes to stderr)."""
+    proc = subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 def test_in_turn_puts_each_side_first_in_every_other_pair():
     """parity, nanogpt and gpu compare two sides run one after the other: a side that always went first would
     always meet the machine as the previous pair left it (they said they alternated, and did not)."""
@@ -63,9 +71,8 @@ def test_the_parity_benchmarks_hand_written_loop_trains_the_templates_weights_bi
 def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu():
     """`gpu` is measured only on a day a GPU is lent: its dry run (CPU, a small model, no nanoGPT checkout, which
     CI has not) keeps the template's side runnable until then: the runs, their timing and the first-step time."""
-    proc = run(["gpu", "--device", "cpu", "--mixed-precision", "no", "--model-shape", "1,2,32,64", "--shapes", "2x1",
-                "--modes", "eager", "--steps", "30"], command=[sys.executable, "scripts/benchmark.py"], timeout=600)
-    report = json.loads(proc.stdout[proc.stdout.rindex("\n{\n") + 1:])  # the last thing printed
+    report = benchmark_report(["gpu", "--device", "cpu", "--mixed-precision", "no", "--model-shape", "1,2,32,64",
+                               "--shapes", "2x1", "--modes", "eager", "--steps", "30"])
     entry = report["2x1 eager"]
     assert list(entry) == ["template"] and entry["template"]["ms_per_step"] > 0, report
     assert entry["template"]["tokens_per_s"] > 0 and report["template_first_step_s"]["eager"] > 0, report
@@ -81,7 +88,4 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu():
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
     args = [*command, "--dir", str(tmp_path)] if command[0] == "checkpoint" else command
-    proc = subprocess.run([sys.executable, "scripts/benchmark.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert measured(json.loads(proc.stdout)) > 0
+    assert measured(benchmark_report(args)) > 0
