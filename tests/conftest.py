@@ -38,7 +38,7 @@ GPUS = visible_gpus()
 GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(GPUS)))}
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # accelerate's launcher reads $HF_HOME/accelerate/default_config.yaml: the tests must not see the machine's own.
-os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf_home_")
+HF_HOME = os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf_home_")  # removed when the session ends
 # A GPT small enough that a CPU test run takes seconds; dropout off so runs are comparable.
 TINY_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.dropout=0.0"]
 # Every step logged; evaluation only at the end, on the first 4 batches (the whole validation set took about a
@@ -265,6 +265,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_sessionfinish(session):
     PRELOADED.close()
+    shutil.rmtree(HF_HOME, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):

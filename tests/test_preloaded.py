@@ -91,3 +91,12 @@ def test_the_workers_of_a_forked_launcher_stop_when_it_is_killed(tmp_path):
             os.kill(pid, signal.SIGKILL)
             pytest.fail(f"worker {pid} trains on without its launcher")
     assert "is gone" in (run_dir / "train.log").read_text()
+
+
+def test_the_harness_is_one_module_so_gpu_tests_launch_with_the_machines_gpus(request):
+    """conftest hides the GPUs from this process at import and keeps the machine's list for the `gpu` tests
+    (GPU_ENV); a second import of it would find none to keep, and one preloaded Python per copy would start."""
+    import tests.conftest
+
+    hooks = request.config.pluginmanager.get_plugins()
+    assert tests.conftest in hooks, "pytest's conftest is not the tests.conftest the test modules import"
