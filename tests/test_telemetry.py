@@ -2,9 +2,12 @@
 
 import json
 import re
+import sys
 
 import pytest
+import torch
 
+from src.reporting.telemetry import GpuMonitor
 from tests.conftest import QUIET, TINY_GPT, run, scalars
 
 TELEMETRY_TAGS = ("train/step_time", "train/data_wait", "train/samples_per_second", "train/tokens_per_second",
@@ -83,3 +86,54 @@ def test_env_check_json_parses_and_names_torch_and_accelerate():
 
     assert facts["torch"] == torch.__version__ and facts["accelerate"] == accelerate.__version__
     assert facts["cpu_cores"] >= 1 and facts["recommended"]["launch"].startswith("accelerate launch")
+
+
+class StandInNvml:
+    """NVML of an 8-GPU node, answering with the index it is asked about (NVML does not run here). NVML numbers
+    every GPU of the node and ignores CUDA_VISIBLE_DEVICES."""
+
+    class NVMLError_DriverNotLoaded(Exception):
+        pass
+
+    NVML_TEMPERATURE_GPU = 0
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 8
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetUtilizationRates(self, index):
+        return type("Rates", (), {"gpu": 10 + index, "memory": 0})()
+
+    def nvmlDeviceGetMemoryInfo(self, index):
+        return type("Memory", (), {"used": index * 2**30})()
+
+    def nvmlDeviceGetTemperature(self, index, sensor):
+        return 40 + index
+
+    def nvmlDeviceGetPowerUsage(self, index):
+        return 1000 * (100 + index)
+
+
+def test_gpu_scalars_are_the_gpus_this_job_sees_numbered_as_cuda_numbers_them(monkeypatch):
+    """A job given GPUs 4 and 5 of a shared node logs them as gpu/0 and gpu/1 (cuda:0, cuda:1), and no other
+    job's GPU; only the main process, which logs, reads them."""
+    nvml = StandInNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(torch.cuda, "pynvml", nvml, raising=False)
+    monkeypatch.setattr(torch.cuda, "_HAS_PYNVML", True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # what CUDA says under CUDA_VISIBLE_DEVICES=4,5
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+
+    assert GpuMonitor(torch.device("cuda", 0)).scalars() == {
+        "gpu/0/utilization": 14.0, "gpu/0/memory_used_gib": 4.0, "gpu/0/temperature_c": 44.0, "gpu/0/power_w": 104.0,
+        "gpu/1/utilization": 15.0, "gpu/1/memory_used_gib": 5.0, "gpu/1/temperature_c": 45.0, "gpu/1/power_w": 105.0,
+    }
+    assert GpuMonitor(torch.device("cuda", 1), is_main_process=False).scalars() == {}
+    assert GpuMonitor(torch.device("cpu")).scalars() == {}

@@ -96,32 +96,37 @@ def peak_rss_gib() -> float:
 
 
 class GpuMonitor:
-    """Per-GPU utilisation, memory, temperature and power through NVML; nothing (and no noise) without it."""
+    """Utilisation, memory, temperature and power of the GPUs this process sees, read where they are logged
+    (the main process); nothing (and no noise) without NVML (nvidia-ml-py, a driver, permission).
 
-    def __init__(self, device: torch.device):
-        self.handles = []
-        if device.type != "cuda":
+    torch.cuda's NVML queries map cuda:<i> to its NVML index through CUDA_VISIBLE_DEVICES (indices or UUIDs), so
+    gpu/<i> is cuda:<i>: a job given GPUs 4 and 5 of a shared node logs those two as gpu/0 and gpu/1, not the
+    node's every GPU, other jobs' included, under NVML's own numbering."""
+
+    READINGS = {  # name: (torch.cuda's query of cuda:<i>, its unit), looked up when read: a torch without one
+                  # loses that reading alone
+        "utilization": (lambda i: torch.cuda.utilization(i), 1),
+        "memory_used_gib": (lambda i: torch.cuda.device_memory_used(i), 2**30),
+        "temperature_c": (lambda i: torch.cuda.temperature(i), 1),
+        "power_w": (lambda i: torch.cuda.power_draw(i), 1000),  # mW
+    }
+
+    def __init__(self, device: torch.device, is_main_process: bool = True):
+        self.devices: list[int] = []
+        if device.type != "cuda" or not is_main_process:
             return
         try:
-            import pynvml  # nvidia-ml-py
-
-            pynvml.nvmlInit()
-            self.nvml = pynvml
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            torch.cuda.utilization(0)
+            self.devices = list(range(torch.cuda.device_count()))
         except Exception:  # no library, no driver, no permission: monitoring is optional
-            self.handles = []
+            self.devices = []
 
     def scalars(self) -> dict[str, float]:
         out = {}
-        for i, handle in enumerate(self.handles):
-            try:
-                nvml = self.nvml
-                out[f"gpu/{i}/utilization"] = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-                out[f"gpu/{i}/memory_used_gib"] = nvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
-                out[f"gpu/{i}/temperature_c"] = float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU))
-                out[f"gpu/{i}/power_w"] = nvml.nvmlDeviceGetPowerUsage(handle) / 1000
-            except Exception:
-                continue
+        for i in self.devices:
+            for name, (read, unit) in self.READINGS.items():
+                with contextlib.suppress(Exception):  # a reading this GPU or driver does not offer
+                    out[f"gpu/{i}/{name}"] = read(i) / unit
         return out
 
 
@@ -143,7 +148,7 @@ class Telemetry:
         self.flops_per_token = flops_per_token(model)
         peak = peak_tflops(accelerator.device, precision, peak_tflops_override)
         self.peak_flops = peak * 1e12 * accelerator.num_processes if peak else None
-        self.gpus = GpuMonitor(accelerator.device)
+        self.gpus = GpuMonitor(accelerator.device, accelerator.is_main_process)
         self.process_started = process_started
         self.phases: dict[str, float] = defaultdict(float)  # seconds per phase, over the whole run
         self.loop_started: Optional[float] = None
