@@ -202,13 +202,19 @@ def shell(command: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedPr
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
-def scalars(run_dir: Path, tag: str) -> dict[int, float]:
-    """step -> value for one scalar tag, as TensorBoard shows it: all event files of the run's log dir,
-    read in order, with the purge a resumed run requests applied. Fails on a duplicated step."""
+def scalar_events(run_dir: Path):
+    """The run's scalars as TensorBoard shows them: all event files of its log dir, read in order, with the purge
+    a resumed run requests applied (an EventAccumulator: .Tags()["scalars"], .Scalars(tag))."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     acc.Reload()
+    return acc
+
+
+def scalars(run_dir: Path, tag: str) -> dict[int, float]:
+    """step -> value for one scalar tag (scalar_events). Fails on a duplicated step."""
+    acc = scalar_events(run_dir)
     if tag not in acc.Tags()["scalars"]:
         return {}
     events = acc.Scalars(tag)

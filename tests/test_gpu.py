@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.conftest import GPU_ENV, QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+from tests.conftest import GPU_ENV, QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalar_events, scalars
 
 pytestmark = pytest.mark.gpu
 SHORT = [*TINY_GPT, *QUIET, "data.batch_size=8", "trainer.checkpoint_every=4", "trainer.monitor=null"]
@@ -73,15 +73,12 @@ def test_auto_micro_batch_backs_off_from_a_real_out_of_memory_error(tmp_path):
 
 def test_telemetry_reports_cuda_memory_nvml_state_and_mfu_of_the_gpus_the_run_sees(tmp_path):
     """Given the machine's last GPU alone, the run logs that one, as gpu/0 (NVML numbers every GPU of the node)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     run_dir = tmp_path / "run"
     run([*SHORT, "trainer.max_steps=4", "trainer.mixed_precision=bf16", "trainer.peak_tflops=100",
          f"hydra.run.dir={run_dir}"], env={"CUDA_VISIBLE_DEVICES": GPU_ENV["CUDA_VISIBLE_DEVICES"].split(",")[-1]})
     for tag in ("memory/cuda_peak_gib", "gpu/0/utilization", "gpu/0/memory_used_gib", "gpu/0/temperature_c",
                 "gpu/0/power_w", "train/mfu"):
         assert scalars(run_dir, tag), tag
-    events = EventAccumulator(str(run_dir / "tensorboard"))
-    events.Reload()
-    assert {tag.split("/")[1] for tag in events.Tags()["scalars"] if tag.startswith("gpu/")} == {"0"}
+    tags = scalar_events(run_dir).Tags()["scalars"]
+    assert {tag.split("/")[1] for tag in tags if tag.startswith("gpu/")} == {"0"}
     assert json.loads((run_dir / "summary.json").read_text())["peak_memory_gib"]["cuda"] > 0
