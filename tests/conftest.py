@@ -1,6 +1,7 @@
 """Shared helpers: real launches of train.py / eval.py as subprocesses, and readers for what they write."""
 
 import contextlib
+import getpass
 import os
 import shutil
 import signal
@@ -39,6 +40,12 @@ GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES") or ","
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # accelerate's launcher reads $HF_HOME/accelerate/default_config.yaml: the tests must not see the machine's own.
 HF_HOME = os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf_home_")  # removed when the session ends
+# What the launches leave in the temporary directory, which nobody removes (torch's launcher a torchelastic_*
+# folder each), goes to a folder of this session, removed when it ends. This process's own temporary files
+# (pytest's tmp_path) and the compiler's caches stay where a user's are, so that compiled tests start warm.
+tempfile.tempdir = tempfile.gettempdir()
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.tempdir, f"torchinductor_{getpass.getuser()}"))
+LAUNCH_TMP = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="launches_tmp_")
 # A GPT small enough that a CPU test run takes seconds; dropout off so runs are comparable.
 TINY_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.dropout=0.0"]
 # Every step logged; evaluation only at the end, on the first 4 batches (the whole validation set took about a
@@ -272,6 +279,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_sessionfinish(session):
     PRELOADED.close()
     shutil.rmtree(HF_HOME, ignore_errors=True)
+    shutil.rmtree(LAUNCH_TMP, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter):
