@@ -5,8 +5,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
+from src.optim.schedules import warmup_cosine
 from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, kill_when, max_abs_diff, run, scalars
 
 
@@ -196,10 +198,22 @@ def test_resume_refuses_an_experiment_that_changes_the_setup(finished_run):
     assert "Cannot resume" in proc.stdout and "model._target_=src.models.resnet.ResNet" in proc.stdout
 
 
-def test_resume_accepts_and_logs_a_longer_max_steps(finished_run):
-    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=9", "resume=auto", f"hydra.run.dir={finished_run}"])
+def test_resume_accepts_and_logs_a_longer_max_steps_and_keeps_the_schedule_it_started_with(tmp_path):
+    args = [*TINY_GPT, *QUIET, "scheduler.warmup_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    run([*args, "trainer.max_steps=6"])
+    proc = run([*args, "trainer.max_steps=9", "resume=auto"])
     assert "override accepted: trainer.max_steps: 6 -> 9" in proc.stdout
-    assert sorted(scalars(finished_run, "train/loss")) == list(range(1, 10))
+    assert "the LR schedule keeps the length it was built with (scheduler.total_steps=6)" in proc.stdout
+    assert sorted(scalars(tmp_path / "run", "train/loss")) == list(range(1, 10))
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    schedule = warmup_cosine(optimizer, total_steps=6, warmup_steps=2)
+    rates = []
+    for _ in range(9):  # train/lr after step s is the rate of the schedule's position s
+        optimizer.step()
+        schedule.step()
+        rates.append(schedule.get_last_lr()[0])
+    lr = scalars(tmp_path / "run", "train/lr")
+    assert [lr[step] for step in range(1, 10)] == pytest.approx(rates, rel=1e-6)
 
 
 def test_resume_from_a_truncated_checkpoint_names_the_file(finished_run):

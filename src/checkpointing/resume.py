@@ -115,6 +115,13 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
         changed.append(f"trainer.max_epochs: {old_leaves['trainer.max_epochs']} -> None")
     for line in changed:
         log.warning("resume: override accepted: %s", line)
+    total_steps = OmegaConf.select(saved, "scheduler.total_steps")
+    length_changed = any(line.startswith(("trainer.max_steps", "trainer.max_epochs")) for line in changed)
+    if total_steps is not None and length_changed:
+        # The saved config is resolved, so the schedule's length is the one the run started with: stretched now,
+        # its learning rate would jump back up mid-run.
+        log.warning("resume: the LR schedule keeps the length it was built with (scheduler.total_steps=%s): "
+                    "it is not stretched to the new length", total_steps)
     return saved
 
 
