@@ -1,6 +1,7 @@
 """Real multi-process runs over gloo on CPU: DDP is real, the maths is the same however a batch is split."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import (QUIET, ROOT, TINY_GPT, exported_weights, free_port, launch_command, max_abs_diff, run,
-                            scalars)
+                            scalars, start)
 
 
 def test_two_process_run_is_real_ddp_with_identical_replicas_own_dropout_streams_and_one_set_of_outputs(tmp_path):
@@ -136,3 +137,77 @@ def test_more_processes_on_a_node_than_gpus_is_refused_naming_the_launches_that_
     assert "CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu --num_processes 2 train.py" in str(refused.value)
     with pytest.raises(LaunchError, match="--multi_gpu --num_processes 4 train.py"):
         check_gpus_per_node(8, 4)
+
+
+def test_gloo_needs_another_interface_only_where_the_host_name_resolves_to_loopback_alone():
+    from src.launch.network import interface_towards, resolves_to_loopback
+
+    assert resolves_to_loopback("localhost")
+    assert resolves_to_loopback("no-such-host.invalid")  # gloo then falls back to the loopback address itself
+    assert interface_towards("127.0.0.1") is None
+    assert not resolves_to_loopback("192.0.2.2") and not resolves_to_loopback("::ffff:192.0.2.2")
+
+
+def machines_whose_name_resolves_to_loopback():
+    """This machine as several: its host name must resolve to loopback only, as a cluster node's may (Debian's
+    127.0.1.1), and it must have a default route for gloo to fall back on."""
+    import socket
+
+    from src.launch.network import default_route_interface, resolves_to_loopback
+
+    interface = default_route_interface()
+    if not resolves_to_loopback(socket.gethostname()) or interface is None:
+        pytest.skip("this machine's host name has a network address, or it has no default route")
+    return interface
+
+
+def unset_gloo_socket_ifname(monkeypatch) -> None:
+    """Unset for the test, and unset again after it, whatever choose_gloo_interface sets in between."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+
+
+def test_a_multi_machine_job_whose_host_name_is_loopback_binds_gloo_to_a_reachable_interface(monkeypatch):
+    from src.launch.network import choose_gloo_interface, ipv4_address
+
+    interface = machines_whose_name_resolves_to_loopback()
+    unset_gloo_socket_ifname(monkeypatch)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the main node as this one sees it: no route tells
+    for world, local in (("2", "2"), ("1", "1")):  # one machine: loopback reaches every rank
+        monkeypatch.setenv("WORLD_SIZE", world)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert choose_gloo_interface() is None and "GLOO_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert choose_gloo_interface() == interface and ipv4_address(interface)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine0")
+    assert choose_gloo_interface() is None  # the user's choice stands
+
+
+def test_a_multi_machine_job_with_no_reachable_interface_is_refused_naming_gloo_socket_ifname(monkeypatch):
+    import src.launch.network as network
+    from src.schema.errors import UsageError
+
+    machines_whose_name_resolves_to_loopback()
+    unset_gloo_socket_ifname(monkeypatch)
+    for name, value in (("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(network, "default_route_interface", lambda: None)  # a machine without a default route
+    with pytest.raises(UsageError, match="Set GLOO_SOCKET_IFNAME to the interface the machines reach each other on"):
+        network.choose_gloo_interface()
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+
+
+def test_two_machines_whose_host_name_is_loopback_train_over_gloo_on_the_routed_interface(tmp_path):
+    """Two torchrun agents on this machine stand for two machines, as SLURM's nodes do in tests/test_slurm.py."""
+    interface = machines_whose_name_resolves_to_loopback()
+    port, args = free_port(), [*TINY_GPT, *QUIET, "trainer.max_steps=3", f"hydra.run.dir={tmp_path / 'run'}"]
+    machines = [start(args, command=[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+                                     str(rank), "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port",
+                                     str(port), "train.py"], new_session=False) for rank in (0, 1)]
+    outputs = [machine.communicate(timeout=300)[0] for machine in machines]
+    assert [machine.returncode for machine in machines] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    for output in outputs:  # each machine chose for itself
+        assert f"resolves to a loopback address, which the other machines cannot reach: gloo binds to " \
+               f"{interface}" in output
+    assert "distributed type            : DistributedType.MULTI_CPU" in outputs[0]
+    assert sorted(scalars(tmp_path / "run", "train/loss")) == [1, 2, 3]

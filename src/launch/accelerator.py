@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 
 from src.faults.distributed_errors import port_in_use
 from src.launch.checks import check_gpus_per_node, check_process_count, check_same_run_dir
+from src.launch.network import choose_gloo_interface
 from src.launch.settings import LaunchSettings, needs_cpu_flag
 from src.launch.shutdown import exit_with_the_launcher
 from src.reporting.trackers import trackers_for
@@ -25,6 +26,7 @@ def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Pa
         check_gpus_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     if trainer.deterministic:
         use_deterministic_kernels()  # before CUDA is touched: cuBLAS reads its workspace setting once
+    choose_gloo_interface()  # several machines, a host name that resolves to loopback: gloo needs an interface
     try:
         accelerator = Accelerator(
             cpu=needs_cpu_flag(),
