@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpointing.load import load_initial_weights
 from src.checkpointing.resume import check_same_data, config_for_resume, resume_source
 from src.data.base import DataModule
 from src.faults.run_dir_lock import acquire_run_dir
@@ -88,6 +89,8 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
     model = build(cfg.model, group="model")
     check_vocabulary_fits(model, data.sizes(), cfg.model)
+    if cfg.trainer.init_weights and not checkpoint:  # a resumed run continues from its checkpoint's weights
+        load_initial_weights(model, Path(cfg.trainer.init_weights), cfg.model, data.codec, fingerprint)
     hide_tied_weight_notices(model)  # accelerate's "Removed shared tensor" at every save, for the model's own ties
     if cfg.trainer.sync_batchnorm:
         model = sync_batchnorm(model, accelerator)

@@ -1,14 +1,16 @@
 """The features users expect of a serious trainer, each a config key: EMA weights, early stopping,
-SyncBatchNorm, training length in epochs, LR scaling by global batch, deterministic runs, a CUDA memory cap."""
+SyncBatchNorm, training length in epochs, LR scaling by global batch, deterministic runs, a CUDA memory cap,
+starting from another run's weights."""
 
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import EVAL_BOUND, QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+from tests.conftest import EVAL_BOUND, QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, scalars
 
 SHORT = [*TINY_GPT, *QUIET, "data.batch_size=8", "trainer.monitor=null"]
 
@@ -269,3 +271,48 @@ def test_mlflow_and_wandb_log_offline_from_one_rank_and_a_resumed_run_continues_
             elif record.HasField("run"):
                 assert record.run.project == "tests" and record.run.display_name == "run"
     assert losses == pytest.approx(tensorboard, rel=1e-6) and params["data.batch_size"] == 8
+
+
+# A run to start others from: far enough trained that its weights are told apart from a fresh model's by the loss.
+FROM_SCRATCH = [*TINY_GPT, *QUIET, "scheduler.warmup_steps=2", "optimizer.lr=1e-2"]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    run([*FROM_SCRATCH, "trainer.max_steps=30", f"hydra.run.dir={run_dir}"])
+    return run_dir
+
+
+def test_init_weights_starts_a_new_run_from_another_runs_export_or_checkpoint_and_a_resume_from_its_own(
+        tmp_path, trained_run):
+    source = Path(shutil.copytree(trained_run / "model", tmp_path / "source"))
+    checkpoint = sorted((trained_run / "checkpoints").glob("step_*"))[-1]
+    for name, weights in (("from_export", source), ("from_checkpoint", checkpoint)):
+        proc = run([*FROM_SCRATCH, "trainer.max_steps=4", f"trainer.init_weights={weights}",
+                    f"hydra.run.dir={tmp_path / name}"])
+        assert f"src.models.gpt.GPT (started from the weights of {weights})" in proc.stdout
+    trained, started = scalars(trained_run, "train/loss"), scalars(tmp_path / "from_export", "train/loss")
+    assert repr(started) == repr(scalars(tmp_path / "from_checkpoint", "train/loss"))  # the same weights
+    assert started[1] < trained[1] - 0.5 and abs(started[1] - trained[30]) < 0.2  # where the trained run ended
+    shutil.rmtree(source)  # a resumed run continues from its own checkpoint and reads the source no more
+    run([*FROM_SCRATCH, "trainer.max_steps=6", f"trainer.init_weights={source}", "resume=auto",
+         f"hydra.run.dir={tmp_path / 'from_export'}"])
+    assert sorted(scalars(tmp_path / "from_export", "train/loss")) == list(range(1, 7))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("another model", "does not fit the model its config builds: Missing key(s) in state_dict: \"blocks.2."),
+    ("another vocabulary", "those weights were trained on another vocabulary than this run's data has"),
+    ("not a model folder", "model.safetensors is missing; give another run's exported model (RUN/model)"),
+])
+def test_init_weights_that_cannot_serve_this_run_are_refused_before_training(tmp_path, trained_run, case, message):
+    other_text = tmp_path / "other.txt"  # 65 characters like tiny Shakespeare's, a digit in place of its '3'
+    other_text.write_text("".join(sorted(set((ROOT / "data" / "tinyshakespeare.txt").read_text()) - {"3"})) * 1000
+                          + "0")
+    args = {"another model": ["model.n_layer=3", f"trainer.init_weights={trained_run / 'model'}"],
+            "another vocabulary": [f"data.path={other_text}", f"trainer.init_weights={trained_run / 'model'}"],
+            "not a model folder": [f"trainer.init_weights={trained_run}"]}[case]
+    proc = run([*FROM_SCRATCH, "trainer.max_steps=2", *args, f"hydra.run.dir={tmp_path / 'run'}"], check=False)
+    assert proc.returncode != 0 and message in proc.stdout and "Traceback" not in proc.stdout, proc.stdout[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -28,6 +28,6 @@ def load_checkpointed_model(checkpoint: Path, run_cfg: DictConfig) -> torch.nn.M
     """The model of a checkpoint, rebuilt from its run's config alone (data-derived sizes are saved resolved)."""
     check_readable(checkpoint)
     model = instantiate(run_cfg.model, _convert_="all")
-    with model_must_fit(checkpoint):
+    with model_must_fit(f"checkpoint {checkpoint}"):
         load_model(model, checkpoint / "model.safetensors", strict=True)
     return model.eval()

@@ -4,13 +4,17 @@ import contextlib
 import json
 import logging
 from pathlib import Path
+from typing import Optional
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import load as safe_load, set_seed
+from omegaconf import DictConfig
+from safetensors.torch import load_model
 
 from src.checkpointing.integrity import check_readable
-from src.checkpointing.layout import STATE_FILE
+from src.checkpointing.layout import DATA_FILE, STATE_FILE
+from src.data.tokenizer import Codec
 from src.loop.train_state import TrainState
 from src.schema.errors import UsageError
 
@@ -32,7 +36,7 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
     if same_layout and not rng_file.is_file():
         raise UsageError(f"{rng_file} is missing: the random state of rank {accelerator.process_index} cannot be "
                          "restored, so resuming would not be exact")
-    with model_must_fit(checkpoint):
+    with model_must_fit(f"checkpoint {checkpoint}"):
         accelerator.load_state(str(checkpoint))  # loads with torch.load(weights_only=True)
     if same_layout:
         # accelerate only logs "Could not load random states" at INFO when RNG restore fails: verify it.
@@ -84,9 +88,13 @@ def _check_layout(saved: dict, state: TrainState, checkpoint: Path) -> bool:
     return False
 
 
+RESUME_REMEDY = ("The model's code has changed since the checkpoint was written: resume with the code that wrote it "
+                 "(its commit), or start a new run.")
+
+
 @contextlib.contextmanager
-def model_must_fit(checkpoint: Path):
-    """torch's size-mismatch or missing-key error, as one paragraph naming the checkpoint and the tensors."""
+def model_must_fit(source: str, remedy: str = RESUME_REMEDY):
+    """torch's size-mismatch or missing-key error, as one paragraph naming the source and the tensors."""
     try:
         yield
     except RuntimeError as error:
@@ -94,8 +102,46 @@ def model_must_fit(checkpoint: Path):
             raise
         details = [line.strip().rstrip(".") for line in str(error).splitlines()[1:] if line.strip()]
         raise UsageError(
-            f"checkpoint {checkpoint} does not fit the model its config builds: {'; '.join(details[:3])}"
-            + (f" (and {len(details) - 3} more)" if len(details) > 3 else "")
-            + ". The model's code has changed since the checkpoint was written: resume with the code that wrote it "
-            "(its commit), or start a new run."
+            f"{source} does not fit the model its config builds: {'; '.join(details[:3])}"
+            + (f" (and {len(details) - 3} more)" if len(details) > 3 else "") + f". {remedy}"
         ) from None
+
+
+def load_initial_weights(model: torch.nn.Module, source: Path, model_cfg: DictConfig, codec: Optional[Codec],
+                         fingerprint: dict) -> None:
+    """trainer.init_weights: another run's weights (its export or a checkpoint) as this run's starting point;
+    nothing else of that run comes along. On text, ids must mean the same tokens as when the weights trained."""
+    key = f"trainer.init_weights={source}"
+    if model_cfg.get("pretrained") or model_cfg.get("peft"):
+        raise UsageError(f"{key} with model.pretrained or model.peft: a transformers model starts from "
+                         "model.pretrained=PATH alone (another run's export is such a folder)")
+    file = source / "model.safetensors"
+    if not file.is_file():
+        raise UsageError(f"{key}: {file} is missing; give another run's exported model (RUN/model) or one of its "
+                         "checkpoints (RUN/checkpoints/step_N; an FSDP run's export, its checkpoints are sharded)")
+    theirs, ours = trained_vocabulary(source, codec, fingerprint)
+    if theirs != ours:
+        there, here = _around_first_difference(theirs, ours)
+        raise UsageError(f"{key}: those weights were trained on another vocabulary than this run's data has "
+                         f"({there!r} there, {here!r} here), so each token id would mean another token: "
+                         "tokenize this data as that run did (data.tokenizer, data.level)")
+    with model_must_fit(key, "Give this run the model settings (model.*) of the run that trained them."):
+        load_model(model, file, strict=True)
+
+
+def trained_vocabulary(source: Path, codec: Optional[Codec], fingerprint: dict) -> tuple[Optional[str], Optional[str]]:
+    """How text became ids for the source's weights and for this run's data, in the same form: both codecs where
+    the source is an export (which keeps its codec), else both data fingerprints' vocabulary (a checkpoint keeps
+    its data's); (None, None) where either side has none (data that is not text)."""
+    if (source / Codec.SAVED).is_file() and codec is not None:
+        return Codec.load(source).identity(), codec.identity()
+    if (source / DATA_FILE).is_file() and "vocabulary" in fingerprint:
+        return json.loads((source / DATA_FILE).read_text()).get("vocabulary"), fingerprint["vocabulary"]
+    return None, None
+
+
+def _around_first_difference(theirs: str, ours: str, context: int = 10, width: int = 30) -> tuple[str, str]:
+    first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+    start = max(0, first - context)
+    return tuple(("..." if start else "") + text[start:start + width] + ("..." if len(text) > start + width else "")
+                 for text in (theirs, ours))

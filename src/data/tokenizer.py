@@ -6,6 +6,7 @@ config/data/jsonl.yaml), so a pretrained model reads the ids it was trained on. 
 transformers (requirements-extras.txt); nothing is downloaded.
 """
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -56,6 +57,12 @@ class Codec:
         if self.kind == "byte":
             return 256
         return len(self.chars) if self.kind == "char" else self.tokenizer.get_vocab_size()
+
+    def identity(self) -> str:
+        """What the ids mean, comparable between runs: the bytes, the characters, or a digest of the tokenizer."""
+        if self.kind == "tokenizer":
+            return "tokenizer " + hashlib.blake2b(self.tokenizer.to_str().encode(), digest_size=8).hexdigest()
+        return "bytes" if self.kind == "byte" else self.chars
 
     def encode(self, text: str) -> list[int]:
         if self.kind == "byte":

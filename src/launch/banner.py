@@ -32,7 +32,8 @@ def describe_launch(accelerator: Accelerator, cfg: DictConfig, settings: LaunchS
         f"(= {per_process} per process x {accelerator.num_processes} processes x {accumulation} micro-steps)"
         if isinstance(per_process, int) else "?",
         "optimizer steps": cfg.trainer.max_steps,
-        "model": cfg.model._target_,
+        "model": cfg.model._target_ + (f" (started from the weights of {cfg.trainer.init_weights})"
+                                       if cfg.trainer.get("init_weights") else ""),
         "parameters": _parameters(accelerator.unwrap_model(model)),
         "data": cfg.data._target_,
         "objective": cfg.objective._target_,

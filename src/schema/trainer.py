@@ -25,6 +25,10 @@ class TrainerConfig:
         "or AMX, else no; null: the launcher's --mixed_precision or `accelerate config` answer, else no)")] = None
     seed: Annotated[int, Arg("seed for model init (alike on every rank), data order, dropout (a stream per rank)",
                              ge=0)] = 1337
+    init_weights: Annotated[Optional[str], Arg(
+        "start from the weights of another run: its exported model (RUN/model) or a checkpoint "
+        "(RUN/checkpoints/step_N), every tensor matching the model this config builds; the optimizer, LR schedule "
+        "and data start afresh (null: the model's own initialisation; a transformers model: model.pretrained)")] = None
     deterministic: Annotated[bool, Arg(
         "deterministic kernels only (torch.use_deterministic_algorithms, cuDNN without autotuning, "
         "CUBLAS_WORKSPACE_CONFIG): bitwise-repeatable runs on GPUs too, at some speed; an op without a "
