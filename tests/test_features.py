@@ -305,12 +305,16 @@ def test_init_weights_starts_a_new_run_from_another_runs_export_or_checkpoint_an
     ("another model", "does not fit the model its config builds: Missing key(s) in state_dict: \"blocks.2."),
     ("another vocabulary", "those weights were trained on another vocabulary than this run's data has"),
     ("not a model folder", "model.safetensors is missing; give another run's exported model (RUN/model)"),
+    ("a truncated file", "model.safetensors is corrupt or truncated"),
 ])
 def test_init_weights_that_cannot_serve_this_run_are_refused_before_training(tmp_path, trained_run, case, message):
     other_text = tmp_path / "other.txt"  # 65 characters like tiny Shakespeare's, a digit in place of its '3'
     other_text.write_text("".join(sorted(set((ROOT / "data" / "tinyshakespeare.txt").read_text()) - {"3"})) * 1000
                           + "0")
+    truncated = Path(shutil.copytree(trained_run / "model", tmp_path / "truncated"))
+    (truncated / "model.safetensors").write_bytes((truncated / "model.safetensors").read_bytes()[:1000])
     args = {"another model": ["model.n_layer=3", f"trainer.init_weights={trained_run / 'model'}"],
+            "a truncated file": [f"trainer.init_weights={truncated}"],
             "another vocabulary": [f"data.path={other_text}", f"trainer.init_weights={trained_run / 'model'}"],
             "not a model folder": [f"trainer.init_weights={trained_run}"]}[case]
     proc = run([*FROM_SCRATCH, "trainer.max_steps=2", *args, f"hydra.run.dir={tmp_path / 'run'}"], check=False)

@@ -10,6 +10,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import load as safe_load, set_seed
 from omegaconf import DictConfig
+from safetensors import safe_open
 from safetensors.torch import load_model
 
 from src.checkpointing.integrity import check_readable
@@ -119,6 +120,11 @@ def load_initial_weights(model: torch.nn.Module, source: Path, model_cfg: DictCo
     if not file.is_file():
         raise UsageError(f"{key}: {file} is missing; give another run's exported model (RUN/model) or one of its "
                          "checkpoints (RUN/checkpoints/step_N; an FSDP run's export, its checkpoints are sharded)")
+    try:
+        with safe_open(file, framework="pt"):  # its header against the file's size, as for a resume
+            pass
+    except Exception as error:  # safetensors raises its own error types
+        raise UsageError(f"{key}: {file} is corrupt or truncated ({error})") from None
     theirs, ours = trained_vocabulary(source, codec, fingerprint)
     if theirs != ours:
         there, here = _around_first_difference(theirs, ours)
