@@ -6,7 +6,8 @@ container on the host's network with only `127.0.0.1` there), every rank gives t
 reach, and setting up the group fails after a time-out ("Gloo connectFullMesh failed ... Connection refused,
 remote=[127.0.0.1]"). NCCL chooses its interfaces itself, so without this a GPU job could fail where NCCL alone
 works. There, before any process group exists, GLOO_SOCKET_IFNAME is set to the interface that routes to the
-main node, else to the default route's. A GLOO_SOCKET_IFNAME of the user's is left alone.
+main node, else to the default route's; with neither, a warning names the variable. A GLOO_SOCKET_IFNAME of the
+user's is left alone.
 """
 
 import ipaddress
@@ -17,7 +18,6 @@ import struct
 from pathlib import Path
 from typing import Optional
 
-from src.schema.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +32,17 @@ def choose_gloo_interface() -> Optional[str]:
         return None
     main = os.environ.get("MASTER_ADDR", "")
     interface = interface_towards(main) or default_route_interface()
-    if interface is None:
-        raise UsageError(
-            f"This job spans several machines and this host's name ({hostname}) resolves to a loopback "
-            f"address, which the other machines cannot reach; no network interface routes to the main node "
-            f"(MASTER_ADDR={main or 'unset'}) and there is no default route to fall back on, so gloo (the stop "
-            "vote's process group, and the training's on CPU) could not connect. Set GLOO_SOCKET_IFNAME to the "
-            "interface the machines reach each other on (`ip -o -4 addr` lists them), or give this host's name "
-            "its network address in /etc/hosts.")
+    once_per_machine = os.environ.get("LOCAL_RANK", "0") == "0"
+    if interface is None:  # left alone: "machines" that are all this one (a test, a laptop) still connect
+        if once_per_machine:
+            log.warning("this host's name (%s) resolves to a loopback address, which other machines cannot reach, "
+                        "and no interface routes to the main node (MASTER_ADDR=%s) nor is there a default route: "
+                        "if setting up gloo (the stop vote's group, the training's on CPU) times out, set "
+                        "GLOO_SOCKET_IFNAME to the interface the machines reach each other on (`ip -o -4 addr` "
+                        "lists them)", hostname, main or "unset")
+        return None
     os.environ["GLOO_SOCKET_IFNAME"] = interface
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # once per machine: each makes its own choice
+    if once_per_machine:  # each machine makes its own choice
         log.warning("this host's name (%s) resolves to a loopback address, which the other machines cannot "
                     "reach: gloo binds to %s (%s) instead (GLOO_SOCKET_IFNAME chooses another)",
                     hostname, interface, ipv4_address(interface))
