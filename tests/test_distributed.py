@@ -149,7 +149,7 @@ def test_gloo_needs_another_interface_only_where_the_host_name_resolves_to_loopb
 
 
 def machines_whose_name_resolves_to_loopback():
-    """This machine as several: its host name must resolve to loopback only, as a cluster node's may (Debian's
+    """This machine as several: its host name must resolve to a loopback address, as a cluster node's may (Debian's
     127.0.1.1), and it must have a default route for gloo to fall back on."""
     import socket
 
