@@ -177,7 +177,7 @@ def test_a_multi_machine_job_whose_host_name_is_loopback_binds_gloo_to_a_reachab
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
         assert choose_gloo_interface() is None and "GLOO_SOCKET_IFNAME" not in os.environ
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert choose_gloo_interface() == interface and ipv4_address(interface)
+    assert choose_gloo_interface() == interface == os.environ["GLOO_SOCKET_IFNAME"] and ipv4_address(interface)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "mine0")
     assert choose_gloo_interface() is None  # the user's choice stands
 
