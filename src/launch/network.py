@@ -27,8 +27,10 @@ SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address
 def choose_gloo_interface() -> Optional[str]:
     """Sets GLOO_SOCKET_IFNAME where gloo's own choice cannot reach the other machines; the interface chosen,
     or None where gloo's choice stands (one machine, a host name with a network address, the user's choice)."""
+    if "GLOO_SOCKET_IFNAME" in os.environ or not spans_machines():  # one machine: no name is looked up
+        return None
     hostname = socket.gethostname()
-    if "GLOO_SOCKET_IFNAME" in os.environ or not spans_machines() or not resolves_to_loopback(hostname):
+    if not resolves_to_loopback(hostname):
         return None
     main = os.environ.get("MASTER_ADDR", "")
     interface = interface_towards(main) or default_route_interface()
