@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpointing.load import load_initial_weights
 from src.checkpointing.resume import check_same_data, config_for_resume, resume_source
 from src.data.base import DataModule
+from src.data.tokenizer import BUILT_IN_TOKENIZERS
 from src.faults.run_dir_lock import acquire_run_dir
 from src.launch.accelerator import build_accelerator
 from src.launch.settings import LaunchSettings, Setting, launch_settings, launched_rank
@@ -29,6 +30,7 @@ from src.loop.accumulation import fit_run_to_data
 from src.loop.auto_batch import find_micro_batch
 from src.loop.sync_batchnorm import sync_batchnorm
 from src.loop.train_state import TrainState
+from src.models.hub import fetch_from_hub
 from src.objectives.base import Objective
 from src.reporting.log_filters import hide_tied_weight_notices
 from src.schema.build import build
@@ -79,6 +81,8 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     accelerator = build_accelerator(cfg.trainer, launch, run_dir)
     set_seed(cfg.trainer.seed)
 
+    # A pretrained model or tokenizer named by a hub id: downloaded once per machine before anyone reads it.
+    fetch_from_hub(accelerator, cfg.model, cfg.data, BUILT_IN_TOKENIZERS)
     # The data first: the model config may use sizes only the data knows (${dataset:vocab_size}).
     data = build(cfg.data, group="data")
     fingerprint = data.fingerprint()

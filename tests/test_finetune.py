@@ -1,10 +1,13 @@
 """Fine-tuning: a run starts from a local from_pretrained folder (weights, architecture, tokenizer), resumes
 bitwise, and exports a folder that another run fine-tunes in turn."""
 
+import hashlib
 import json
 import math
+import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +172,67 @@ def test_lora_trains_only_its_adapter_the_same_however_the_batch_is_split_resume
     run([*accumulating(killed), "resume=auto"])
     assert scalars(killed, "train/loss") == scalars(one, "train/loss")
     assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
+
+
+def put_in_hub_cache(folder, hf_home, repo_id: str, commit: str = "0123456789abcdef0123456789abcdef01234567"):
+    """The folder as `hf download REPO_ID` leaves it in the Hugging Face cache: content-addressed blobs, a
+    snapshot of links to them named by the commit, and the ref `main` pointing at that commit."""
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    for part in (repo / "blobs", repo / "refs", snapshot):
+        part.mkdir(parents=True)
+    for file in folder.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_a_hub_id_trains_as_its_folder_does_read_from_the_hugging_face_cache(tmp_path, pretrained):
+    """Offline (HF_HUB_OFFLINE=1), as on compute nodes after `hf download` on a login node: the id's cached
+    snapshot serves as the model's folder and as the data's tokenizer; the run is the folder's run."""
+    hf_home = tmp_path / "hf_home"
+    snapshot = put_in_hub_cache(pretrained, hf_home, "tiny-org/tiny-gpt2")
+    by_id, by_folder = tmp_path / "by_id", tmp_path / "by_folder"
+    args = ["trainer.max_steps=3", "trainer.monitor=null"]
+    proc = run([*finetune_args("tiny-org/tiny-gpt2", by_id), *args],
+               env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
+    run([*finetune_args(pretrained, by_folder), *args])
+    assert (f"model.pretrained and data.tokenizer=tiny-org/tiny-gpt2: the Hugging Face hub's revision "
+            f"{snapshot.name}, in {snapshot}") in proc.stdout
+    assert scalars(by_id, "train/loss") == scalars(by_folder, "train/loss")
+    assert max_abs_diff(exported_weights(by_id), exported_weights(by_folder)) == 0
+    assert (by_id / "model" / "tokenizer.json").read_bytes() == (pretrained / "tokenizer.json").read_bytes()
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """This process's Hugging Face cache, empty, with the hub out of reach."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hub"
+
+
+@pytest.mark.parametrize("key", ["model.pretrained", "data.tokenizer"])
+def test_a_hub_id_neither_cached_nor_reachable_is_refused_naming_the_key_and_the_download(offline_hub, key):
+    from src.models.hub import local_path
+
+    with pytest.raises(UsageError) as error:
+        local_path("nobody/nothing", key)
+    message = str(error.value)
+    assert message.startswith(f"{key}=nobody/nothing: no such local path (relative paths are relative to ")
+    assert f"hub cannot be reached (HF_HUB_OFFLINE is set) while its cache ({offline_hub}) has no copy" in message
+    assert "run `hf download nobody/nothing` on a machine with a network" in message
+
+
+def test_an_existing_path_wins_over_a_hub_id_of_the_same_name(offline_hub, tmp_path, monkeypatch):
+    from src.models.hub import is_hub_id, local_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-org" / "tiny-gpt2").mkdir(parents=True)
+    assert local_path("tiny-org/tiny-gpt2", "model.pretrained") == Path("tiny-org/tiny-gpt2")
+    assert [name for name in ("gpt2", "Qwen/Qwen2.5-0.5B", "tiny-org/tiny-gpt2", "outputs/RUN/model", "/models/gpt2",
+                              "./gpt2", "~/gpt2") if is_hub_id(name)] == ["gpt2", "Qwen/Qwen2.5-0.5B"]

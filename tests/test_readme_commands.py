@@ -80,6 +80,9 @@ NOT_RUN = {
     "accelerate launch --config_file config/accelerate/multi_gpu.yaml train.py": "needs CUDA GPUs",
     "accelerate launch --config_file config/accelerate/fsdp.yaml train.py": "needs CUDA GPUs",
     "sbatch slurm/train_multi_node.sbatch ...": "a pointer to the SLURM section, whose commands run here",
+    "accelerate launch train.py model=hf_causal_lm model.pretrained=gpt2 data=jsonl objective=causal_lm "
+    "optimizer.lr=5e-5": "downloads from the Hugging Face hub (no network here); tests/test_finetune.py runs a "
+                         "small model's id from the hub's cache",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=/models/gpt2 data=jsonl objective=causal_lm "
     "optimizer.lr=5e-5": "needs a downloaded model; tests/test_finetune.py runs it with a small pretrained folder",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/RUN/model data=jsonl objective=causal_lm":

@@ -1,5 +1,6 @@
 """Documents from a local Hugging Face dataset, through `datasets`: Parquet, JSON Lines, CSV or Arrow files, a
-folder of them, or a folder written by `save_to_disk`. No hub, no network.
+folder of them, or a folder written by `save_to_disk` (a hub dataset: `hf download NAME --repo-type dataset
+--local-dir PATH` first; its tokenizer, unlike the dataset, may be a hub id).
 
     accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=corpus.parquet objective=causal_lm
     ... data.packing=true data.mask_boundaries=true        # fixed blocks of concatenated documents
@@ -63,8 +64,8 @@ class HFDataset(DataModule):
                                                 "split)")] = None,
         val_fraction: Annotated[float, Arg("without val_split: the last documents, as a fraction, validate",
                                            gt=0, lt=1)] = 0.1,
-        tokenizer: Annotated[Optional[str], Arg("byte, a tokenizers JSON file or a from_pretrained folder holding "
-                                                "one (null: byte)")] = "byte",
+        tokenizer: Annotated[Optional[str], Arg("byte, a tokenizers JSON file or a from_pretrained folder or hub "
+                                                "id holding one (null: byte)")] = "byte",
         packing: Annotated[bool, Arg("concatenate documents and cut them into blocks of block_size (no "
                                      "padding)")] = False,
         mask_boundaries: Annotated[bool, Arg("with packing: never predict a document's first token from the "

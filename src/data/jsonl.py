@@ -1,8 +1,8 @@
 """Documents from a JSON Lines file, one per sample, in Hugging Face's batch form: the variable-length case.
 
 Each line is an object whose `text_key` holds a document. It is tokenized by bytes, by characters (the
-vocabulary is the file's sorted character set) or by a local `tokenizers` JSON file or `from_pretrained` folder
-(no hub; with `model.pretrained`, that folder's tokenizer by default), truncated to
+vocabulary is the file's sorted character set) or by a `tokenizers` JSON file, `from_pretrained` folder or hub
+id (with `model.pretrained`, that model's tokenizer by default), truncated to
 `block_size` tokens, and padded per batch on the right:
 
     {"input_ids": (B, T), "attention_mask": (B, T), "labels": (B, T)}   labels = input_ids, -100 on padding
@@ -60,7 +60,7 @@ class JsonlData(DataModule):
         path: Annotated[str, Arg("JSON Lines file, one document per line")] = "data/shakespeare_speeches.jsonl",
         text_key: Annotated[str, Arg("the key of each line's document")] = "text",
         tokenizer: Annotated[Optional[str], Arg("byte, char (vocabulary from the file), a tokenizers JSON file "
-                                                "or a from_pretrained folder holding one (null: byte)")] = "byte",
+                                                "or a from_pretrained folder or hub id holding one (null: byte)")] = "byte",
         val_fraction: Annotated[float, Arg("the last documents, as a fraction, validate", gt=0, lt=1)] = 0.1,
         **loader,
     ):

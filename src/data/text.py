@@ -112,8 +112,8 @@ class TextData(TokenStream):
         path: Annotated[str, Arg("UTF-8 text file")],
         level: Annotated[Literal["char", "byte"], Arg("tokens are characters (vocab from the file) or bytes; "
                                                       "unused with a tokenizer")] = "char",
-        tokenizer: Annotated[Optional[str], Arg("a tokenizers JSON file or a from_pretrained folder holding one "
-                                                "(null: data.level)")] = None,
+        tokenizer: Annotated[Optional[str], Arg("a tokenizers JSON file, or a from_pretrained folder or hub id "
+                                                "holding one (null: data.level)")] = None,
         **stream,
     ):
         super().__init__(**stream)

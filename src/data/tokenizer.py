@@ -1,9 +1,10 @@
-"""A local tokenizer for text data (a `tokenizers` JSON file, or a `from_pretrained` folder that holds one), and
+"""A tokenizer for text data (a `tokenizers` JSON file, a `from_pretrained` folder that holds one, or a Hugging
+Face hub id whose snapshot holds one: src/models/hub.py), and
 the Codec each text option exposes: how its text becomes ids and back, for sampling and for the export.
 
-With `model.pretrained=PATH` the text options default to that folder's tokenizer (config/data/text.yaml,
+With `model.pretrained` the text options default to that model's tokenizer (config/data/text.yaml,
 config/data/jsonl.yaml), so a pretrained model reads the ids it was trained on. `tokenizers` comes with
-transformers (requirements-extras.txt); nothing is downloaded.
+transformers (requirements-extras.txt).
 """
 
 import hashlib
@@ -11,14 +12,16 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from src.models.hub import TOKENIZER_FILES, local_path
 from src.schema.errors import UsageError
 
 FILE = "tokenizer.json"  # the name save_pretrained gives a fast tokenizer's file
+BUILT_IN_TOKENIZERS = ("byte", "char")  # data.tokenizer values that name no file
 
 
 def tokenizer_file(path: str, key: str = "data.tokenizer") -> Path:
     """The tokenizers JSON file `path` names (itself, or FILE inside a folder), or an error naming `key`."""
-    file = Path(path).expanduser()
+    file = local_path(path, key, TOKENIZER_FILES)  # a hub id: its snapshot in the Hugging Face cache
     if file.is_dir():
         if not (file / FILE).is_file():
             raise UsageError(f"{key}={path}: the folder has no {FILE} (a fast tokenizer saved by save_pretrained); "

@@ -1,10 +1,11 @@
-"""Any Hugging Face `transformers` causal LM, built from an inline config or loaded from a local folder: no hub.
+"""Any Hugging Face `transformers` causal LM, built from an inline config or loaded from a pretrained model.
 
     accelerate launch train.py model=hf_causal_lm                        # a small GPT-2 (its yaml)
     accelerate launch train.py model=hf_causal_lm model.config.model_type=llama ...   # any AutoModelForCausalLM type
-    accelerate launch train.py model=hf_causal_lm model.pretrained=PATH  # fine-tune a from_pretrained folder
+    accelerate launch train.py model=hf_causal_lm model.pretrained=gpt2  # fine-tune a hub model (or a folder)
 
-A pretrained folder brings its own architecture (config.json, so model.config is not used), its weights and,
+A pretrained model (a hub id, fetched into the Hugging Face cache by src/models/hub.py, or a from_pretrained
+folder) brings its own architecture (config.json, so model.config is not used), its weights and,
 where it has one, its tokenizer, which the text options then use (config/data/text.yaml, jsonl.yaml). The folder
 may be another run's export (`outputs/RUN/model`): a run fine-tunes what an earlier one trained.
 
@@ -18,6 +19,7 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
+from src.models.hub import local_path
 from src.schema.errors import UsageError
 from src.schema.signature import Arg
 
@@ -34,8 +36,9 @@ def causal_lm_from_config(
                                    "config's position embeddings", ge=1)],
     gradient_checkpointing: Annotated[bool, Arg("recompute activations in the backward pass to save memory")] = False,
     pretrained: Annotated[Optional[str], Arg(
-        "a local from_pretrained folder (config.json, weights, optionally a tokenizer) to start from, e.g. "
-        "another run's outputs/RUN/model; null: random weights from model.config")] = None,
+        "a Hugging Face hub id (gpt2, Qwen/Qwen2.5-0.5B: fetched into the Hugging Face cache) or a from_pretrained "
+        "folder (config.json, weights, optionally a tokenizer) to start from, e.g. another run's outputs/RUN/model; "
+        "null: random weights from model.config")] = None,
     dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], Arg(
         "dtype of the weights (null: float32; mixed precision is trainer.mixed_precision, which keeps float32 "
         "master weights)")] = None,
@@ -109,10 +112,10 @@ def _inline_config(AutoConfig, config: dict) -> Any:
 
 
 def _from_pretrained(AutoModelForCausalLM, pretrained: str, options: dict) -> Any:
-    folder = Path(pretrained).expanduser()
+    folder = local_path(pretrained, "model.pretrained")  # a hub id: its snapshot in the Hugging Face cache
     if not folder.is_dir():
-        raise UsageError(f"model.pretrained={pretrained}: no such folder (a local from_pretrained folder; relative "
-                         f"paths are relative to {Path.cwd()}; nothing is downloaded)")
+        raise UsageError(f"model.pretrained={pretrained}: no such folder (a from_pretrained folder or a Hugging "
+                         f"Face hub id; relative paths are relative to {Path.cwd()})")
     if not (folder / "config.json").is_file():
         raise UsageError(f"model.pretrained={pretrained}: no config.json in it; a from_pretrained folder holds "
                          f"config.json and its weights (model.safetensors), as save_pretrained writes them")

@@ -1,0 +1,97 @@
+"""A pretrained model or tokenizer named by its Hugging Face hub id (`gpt2`, `Qwen/Qwen2.5-0.5B`) where a local
+folder is expected (model.pretrained, data.tokenizer).
+
+The id is fetched into the Hugging Face cache ($HF_HOME/hub, the one transformers and `hf download` use) by each
+machine's first process while the others wait, then every process reads it from there. Only what a
+`from_pretrained` folder needs comes down (configs, safetensors weights, tokenizer files), not the repository's
+copies of the weights for other frameworks. A path that exists always wins over an id. Where the hub cannot be
+reached (HF_HUB_OFFLINE=1, compute nodes without a network) the cached copy is used as it is, so `hf download
+NAME` on a login node fills the cache for the jobs. Private and gated models need `hf auth login` first.
+"""
+
+import logging
+from pathlib import Path
+
+from accelerate import Accelerator
+
+from src.schema.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+# What from_pretrained reads: config and generation config, safetensors weights (with their index), and the
+# tokenizer's files (tokenizer.json, tokenizer_config.json, vocab.json, merges.txt, tokenizer.model, ...).
+MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
+OLD_WEIGHTS = ["pytorch_model*.bin"]  # repositories from before safetensors have only these
+TOKENIZER_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken"]
+
+
+def is_hub_id(name: str) -> bool:
+    """A name that is no existing path and has the form of a hub id (NAME or OWNER/NAME)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def local_path(name: str, key: str, files: list[str] = MODEL_FILES, refresh: bool = False) -> Path:
+    """The local file or folder a config value names: a path as it is, a hub id as its snapshot in the cache,
+    downloaded where the cache has none. `refresh`: ask the hub for its newest revision first."""
+    if not is_hub_id(name):
+        return Path(name).expanduser()
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        if not refresh:
+            try:
+                return Path(snapshot_download(name, allow_patterns=files, local_files_only=True))
+            except LocalEntryNotFoundError:
+                pass  # not cached yet: download
+        folder = Path(snapshot_download(name, allow_patterns=files))
+        if files is MODEL_FILES and not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(name, allow_patterns=files + OLD_WEIGHTS))
+        return folder
+    except RepositoryNotFoundError as error:  # a gated model's error is one too
+        raise UsageError(f"{key}={name}: no such local path (relative paths are relative to {Path.cwd()}), and "
+                         f"the Hugging Face hub has no model of that name that this machine may read ("
+                         f"{type(error).__name__}): check the name, and for a private or gated model log in "
+                         "(`hf auth login`) after accepting its terms on its hub page") from None
+    except LocalEntryNotFoundError as error:
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _first_line(error)
+        raise UsageError(f"{key}={name}: no such local path (relative paths are relative to {Path.cwd()}), and "
+                         f"the Hugging Face hub cannot be reached ({why}) while its cache ({constants.HF_HUB_CACHE}) "
+                         f"has no copy: run `hf download {name}` on a machine with a network (it fills the same "
+                         f"cache), or give {key} a local path") from None
+    except OSError as error:  # the hub's other HTTP errors, a full disk
+        raise UsageError(f"{key}={name}: fetching it from the Hugging Face hub failed: {_first_line(error)}") from None
+
+
+def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_tokenizers: tuple) -> None:
+    """Fetch the hub ids that model.pretrained and data.tokenizer name, once per machine, before any process
+    reads them: the first process of each machine asks the hub for the newest revision, the others then find it
+    in the cache."""
+    wanted: dict[str, tuple[list[str], list[str]]] = {}  # hub id -> (the keys naming it, the files they need)
+    for key, name, files in (("model.pretrained", model_cfg.get("pretrained"), MODEL_FILES),
+                             ("data.tokenizer", data_cfg.get("tokenizer"), TOKENIZER_FILES)):
+        if isinstance(name, str) and name not in built_in_tokenizers and is_hub_id(name):
+            keys, _ = wanted.setdefault(name, ([], files))
+            keys.append(key)  # a model's id serves its tokenizer too (the data's default): one fetch
+    if not wanted:
+        return
+    with accelerator.local_main_process_first():
+        for name, (keys, files) in wanted.items():
+            folder = local_path(name, keys[0], files, refresh=accelerator.is_local_main_process)
+            if accelerator.is_local_main_process:
+                log.info("%s=%s: the Hugging Face hub's revision %s, in %s", " and ".join(keys), name, folder.name,
+                         folder)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
