@@ -59,8 +59,9 @@ class JsonlData(DataModule):
         block_size: Annotated[int, Arg("longest document in tokens (longer ones are truncated)", ge=2)],
         path: Annotated[str, Arg("JSON Lines file, one document per line")] = "data/shakespeare_speeches.jsonl",
         text_key: Annotated[str, Arg("the key of each line's document")] = "text",
-        tokenizer: Annotated[Optional[str], Arg("byte, char (vocabulary from the file), a tokenizers JSON file "
-                                                "or a from_pretrained folder or hub id holding one (null: byte)")] = "byte",
+        tokenizer: Annotated[Optional[str], Arg("byte, char (vocabulary from the file), a tokenizers JSON file, "
+                                                "or a from_pretrained folder or hub id holding one (null: byte)")
+                                            ] = "byte",
         val_fraction: Annotated[float, Arg("the last documents, as a fraction, validate", gt=0, lt=1)] = 0.1,
         **loader,
     ):
