@@ -2,6 +2,7 @@
 
 import contextlib
 import getpass
+import hashlib
 import os
 import shutil
 import signal
@@ -290,3 +291,32 @@ def pytest_terminal_summary(terminalreporter):
                 terminalreporter.write_line(f"{report.nodeid}: {len(kills)} kills")
                 for kill in kills:
                     terminalreporter.write_line("  " + ", ".join(f"{k} {v}" for k, v in kill.items()))
+
+
+def put_in_hub_cache(folder: Path, hf_home: Path, repo_id: str, repo_type: str = "model",
+                     commit: str = "0123456789abcdef0123456789abcdef01234567") -> Path:
+    """The folder as `hf download REPO_ID` leaves it in the Hugging Face cache: content-addressed blobs, a
+    snapshot of links to them named by the commit, and the ref `main` pointing at that commit."""
+    repo = hf_home / "hub" / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    for part in (repo / "blobs", repo / "refs", snapshot):
+        part.mkdir(parents=True, exist_ok=True)
+    for file in sorted(path for path in folder.rglob("*") if path.is_file()):
+        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        blob.write_bytes(file.read_bytes())
+        link = snapshot / file.relative_to(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch) -> Path:
+    """This process's Hugging Face cache (tmp_path/hf_home/hub), empty until a test fills it, with the hub out of
+    reach, as on a compute node without a network."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return tmp_path / "hf_home" / "hub"

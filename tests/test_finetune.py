@@ -1,10 +1,8 @@
-"""Fine-tuning: a run starts from a local from_pretrained folder (weights, architecture, tokenizer), resumes
-bitwise, and exports a folder that another run fine-tunes in turn."""
+"""Fine-tuning: a run starts from a pretrained model, a from_pretrained folder or a hub id (weights, architecture,
+tokenizer), resumes bitwise, and exports a folder that another run fine-tunes in turn."""
 
-import hashlib
 import json
 import math
-import os
 import re
 import sys
 from pathlib import Path
@@ -13,7 +11,8 @@ import pytest
 import torch
 
 from src.schema.errors import UsageError
-from tests.conftest import PRETRAINED_VOCAB, QUIET, exported_weights, kill_when, max_abs_diff, run, scalars
+from tests.conftest import (PRETRAINED_VOCAB, QUIET, exported_weights, kill_when, max_abs_diff, put_in_hub_cache, run,
+                            scalars)
 
 transformers = pytest.importorskip("transformers")
 VOCAB = PRETRAINED_VOCAB
@@ -174,21 +173,6 @@ def test_lora_trains_only_its_adapter_the_same_however_the_batch_is_split_resume
     assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
 
 
-def put_in_hub_cache(folder, hf_home, repo_id: str, commit: str = "0123456789abcdef0123456789abcdef01234567"):
-    """The folder as `hf download REPO_ID` leaves it in the Hugging Face cache: content-addressed blobs, a
-    snapshot of links to them named by the commit, and the ref `main` pointing at that commit."""
-    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
-    snapshot = repo / "snapshots" / commit
-    for part in (repo / "blobs", repo / "refs", snapshot):
-        part.mkdir(parents=True)
-    for file in folder.iterdir():
-        blob = repo / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
-        blob.write_bytes(file.read_bytes())
-        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
-    (repo / "refs" / "main").write_text(commit)
-    return snapshot
-
-
 def test_a_hub_id_trains_as_its_folder_does_read_from_the_hugging_face_cache(tmp_path, pretrained):
     """Offline (HF_HUB_OFFLINE=1), as on compute nodes after `hf download` on a login node: the id's cached
     snapshot serves as the model's folder and as the data's tokenizer; the run is the folder's run."""
@@ -204,16 +188,6 @@ def test_a_hub_id_trains_as_its_folder_does_read_from_the_hugging_face_cache(tmp
     assert scalars(by_id, "train/loss") == scalars(by_folder, "train/loss")
     assert max_abs_diff(exported_weights(by_id), exported_weights(by_folder)) == 0
     assert (by_id / "model" / "tokenizer.json").read_bytes() == (pretrained / "tokenizer.json").read_bytes()
-
-
-@pytest.fixture
-def offline_hub(tmp_path, monkeypatch):
-    """This process's Hugging Face cache, empty, with the hub out of reach."""
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return tmp_path / "hub"
 
 
 @pytest.mark.parametrize("key", ["model.pretrained", "data.tokenizer"])

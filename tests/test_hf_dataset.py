@@ -8,7 +8,7 @@ import torch
 
 from src.data.jsonl import IGNORE_INDEX
 from src.schema.errors import UsageError
-from tests.conftest import QUIET, ROOT, exported_weights, kill_when, max_abs_diff, run, scalars
+from tests.conftest import QUIET, ROOT, exported_weights, kill_when, max_abs_diff, put_in_hub_cache, run, scalars
 
 datasets = pytest.importorskip("datasets")
 SPEECHES = [json.loads(line)["text"] for line in (ROOT / "data" / "shakespeare_speeches.jsonl").read_text().splitlines()
@@ -96,6 +96,82 @@ def test_a_column_or_split_that_does_not_exist_is_refused_naming_what_there_is(f
     with pytest.raises(UsageError) as error:
         build(path=str(formats["parquet"]), **kwargs)
     assert message.format(path=formats["parquet"]) in str(error.value)
+
+
+CARD = """---
+configs:
+- config_name: speeches
+  data_files:
+  - {split: train, path: speeches/train-*}
+  - {split: test, path: speeches/test-*}
+- config_name: short
+  data_files:
+  - {split: train, path: short/train-*}
+---
+Speeches from tiny Shakespeare, in two subsets.
+"""
+
+
+@pytest.fixture
+def hub_dataset(tmp_path, offline_hub) -> str:
+    """A dataset repository as the hub holds one, cached as `hf download` leaves it: a card naming two subsets,
+    each a folder of Parquet files (the same folder, local, is tmp_path / "repo")."""
+    repo = tmp_path / "repo"
+    for name, docs in (("speeches/train", documents(180)), ("speeches/test", documents(200).select(range(180, 200))),
+                       ("short/train", documents(50))):
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        docs.to_parquet(str(repo / f"{name}-00000-of-00001.parquet"))
+    (repo / "README.md").write_text(CARD)
+    put_in_hub_cache(repo, offline_hub.parent, "tiny-org/speeches", "dataset")
+    return "tiny-org/speeches"
+
+
+def test_a_hub_dataset_id_reads_the_chosen_subset_from_the_hugging_face_cache_as_its_folder_would(
+        tmp_path, hub_dataset):
+    data = build(path=hub_dataset, subset="speeches", val_split="test")
+    local = build(path=str(tmp_path / "repo"), subset="speeches", val_split="test")
+    assert (len(data.train), len(data.val)) == (180, 20)
+    assert data.val[19]["input_ids"].tolist() == list(SPEECHES[199].encode())[:32]
+    assert data.fingerprint() == local.fingerprint()  # the same files, documents and ids
+    assert "file speeches/train-00000-of-00001.parquet" in data.fingerprint()
+    short = build(path=hub_dataset, subset="short")
+    assert (len(short.train), len(short.val)) == (45, 5)
+
+
+def test_only_the_data_files_a_dataset_card_gives_the_subset_are_fetched(tmp_path):
+    """A repository may hold many large subsets (wikitext: 4, one of them 300 MB): its card's `configs` name
+    each one's files, and the fetch asks for those alone; where the card does not say, for every data file."""
+    from src.models.hub import subset_files
+
+    (tmp_path / "README.md").write_text(CARD)
+    assert subset_files(tmp_path / "README.md", "short") == ["short/train-*"]
+    assert subset_files(tmp_path / "README.md", "speeches") == ["speeches/train-*", "speeches/test-*"]
+    assert subset_files(tmp_path / "README.md", None) == []  # two subsets, none the default: datasets asks which
+    assert subset_files(tmp_path / "README.md", "long") == []  # not in the card: datasets names those there are
+    (tmp_path / "README.md").write_text("---\nconfigs:\n- config_name: all\n  default: true\n  data_files: "
+                                        "data/*.parquet\n- config_name: other\n  data_files: [o/a.csv, o/b.csv]\n"
+                                        "---\n")
+    assert subset_files(tmp_path / "README.md", None) == ["data/*.parquet"]
+    assert subset_files(tmp_path / "README.md", "other") == ["o/a.csv", "o/b.csv"]
+    assert subset_files(tmp_path / "no_card.md", "short") == []
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "data.subset: tiny-org/speeches has several subsets (speeches, short): pick one with data.subset=NAME"),
+    ({"subset": "long"}, "data.subset=long: tiny-org/speeches has the subsets speeches, short"),
+    ({"path": "nobody/nothing"}, "data.path=nobody/nothing: no such local path"),
+    ({"path": "nobody/nothing"}, "run `hf download nobody/nothing --repo-type dataset` on a machine with a network"),
+])
+def test_a_hub_dataset_without_the_subset_asked_for_or_out_of_reach_is_refused_naming_the_key(hub_dataset, kwargs,
+                                                                                             message):
+    with pytest.raises(UsageError) as error:
+        build(**{"path": hub_dataset, **kwargs})
+    assert message in str(error.value)
+
+
+def test_a_subset_of_one_file_is_refused(formats):
+    with pytest.raises(UsageError, match=r"data.subset=short: .*d.parquet is one file, which has no subsets"):
+        build(path=str(formats["parquet"]), subset="short")
 
 
 def test_a_packed_hf_dataset_run_of_a_transformers_model_killed_on_two_processes_resumes_bitwise(tmp_path, formats):

@@ -89,6 +89,10 @@ NOT_RUN = {
         "tests/test_finetune.py fine-tunes one run's export in another",
     "accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=corpus.parquet data.packing=true "
     "objective=causal_lm": "needs a dataset of the user's; tests/test_hf_dataset.py trains on Parquet it writes",
+    "accelerate launch train.py model=hf_causal_lm model.pretrained=gpt2 data=hf_dataset data.path=Salesforce/wikitext "
+    "data.subset=wikitext-2-raw-v1 data.val_split=validation data.packing=true objective=causal_lm":
+        "downloads from the Hugging Face hub (no network here); tests/test_hf_dataset.py reads a dataset's subset "
+        "from the hub's cache",
     "python scripts/make_tiny_pretrained.py outputs/tiny_gpt2": "the fine-tuning walkthrough: "
                                                                 "tests/test_readme_example.py follows it verbatim",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/tiny_gpt2 data=jsonl objective=causal_lm "

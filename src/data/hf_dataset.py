@@ -1,6 +1,6 @@
-"""Documents from a local Hugging Face dataset, through `datasets`: Parquet, JSON Lines, CSV or Arrow files, a
-folder of them, or a folder written by `save_to_disk` (a hub dataset: `hf download NAME --repo-type dataset
---local-dir PATH` first; its tokenizer, unlike the dataset, may be a hub id).
+"""Documents from a Hugging Face dataset, through `datasets`: Parquet, JSON Lines, CSV or Arrow files, a folder of
+them, a folder written by `save_to_disk`, or a dataset on the hub by its id (its data files fetched into the
+Hugging Face cache, src/models/hub.py; `data.subset` picks one of several subsets).
 
     accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=corpus.parquet objective=causal_lm
     ... data.packing=true data.mask_boundaries=true        # fixed blocks of concatenated documents
@@ -27,6 +27,7 @@ from torch.utils.data import Dataset
 from src.data.base import DataModule, model_size
 from src.data.jsonl import IGNORE_INDEX, pad_right
 from src.data.tokenizer import codec_for
+from src.models.hub import dataset_path
 from src.schema.errors import UsageError
 from src.schema.signature import Arg
 
@@ -62,6 +63,9 @@ class HFDataset(DataModule):
         split: Annotated[str, Arg("the split that trains (a file read directly is the split 'train')")] = "train",
         val_split: Annotated[Optional[str], Arg("a split that validates (null: the last val_fraction of "
                                                 "split)")] = None,
+        subset: Annotated[Optional[str], Arg("the subset (datasets' configuration name, e.g. wikitext-2-raw-v1) of "
+                                             "a folder or hub dataset that has several (null: its only or default "
+                                             "one)")] = None,
         val_fraction: Annotated[float, Arg("without val_split: the last documents, as a fraction, validate",
                                            gt=0, lt=1)] = 0.1,
         tokenizer: Annotated[Optional[str], Arg("byte, a tokenizers JSON file or a from_pretrained folder or hub "
@@ -82,18 +86,21 @@ class HFDataset(DataModule):
         # One process per machine loads (datasets converts files to Arrow) and maps, writing the caches; the
         # others wait, then read them.
         with PartialState().local_main_process_first():
-            train, val = self._documents(path, split, val_split, val_fraction, text_column)
+            # A hub id: its data files, fetched into the Hugging Face cache by this machine's first process.
+            source = dataset_path(path, subset, refresh=PartialState().is_local_main_process)
+            train, val = self._documents(source, path, split, val_split, val_fraction, text_column, subset)
             train, val = (self._tokenized(d, text_column, block_size, packing, mask_boundaries) for d in (train, val))
         if len(train) == 0 or len(val) == 0:
             raise UsageError(f"data.path={path}: no {'block' if packing else 'document'} to "
                              f"{'train' if len(train) == 0 else 'validate'} on (data.block_size={block_size})")
         self.train, self.val = Rows(train, block_size), Rows(val, block_size)
-        self.source_files = _source_files(Path(path).expanduser())
+        self.source_files = _source_files(source)
         self.collate_fn = None if packing else functools.partial(pad_right, pad_id=0)
 
     @staticmethod
-    def _documents(path: str, split: str, val_split: Optional[str], val_fraction: float, text_column: str):
-        splits = _load(path, split, val_split)
+    def _documents(source: Path, path: str, split: str, val_split: Optional[str], val_fraction: float,
+                   text_column: str, subset: Optional[str]):
+        splits = _load(source, path, split, val_split, subset)
         train = splits[split]
         if text_column not in train.column_names:
             raise UsageError(f"data.text_column={text_column}: {path} has no such column; its columns: "
@@ -151,17 +158,21 @@ def _source_files(source: Path) -> dict[str, Path]:
             if file.is_file() and not file.name.startswith(("cache-", "."))}
 
 
-def _load(path: str, split: str, val_split: Optional[str]) -> dict[str, Any]:
-    """The splits asked for, as datasets.Dataset objects, or an error naming data.path / data.split."""
+def _load(source: Path, path: str, split: str, val_split: Optional[str], subset: Optional[str]) -> dict[str, Any]:
+    """The splits asked for of what data.path names (`source`: where it is on this machine), as datasets.Dataset
+    objects, or an error naming data.path / data.split / data.subset."""
     try:
-        from datasets import DatasetDict, load_dataset, load_from_disk
+        from datasets import DatasetDict, get_dataset_config_names, load_dataset, load_from_disk
     except ImportError as error:
         raise UsageError("data=hf_dataset needs datasets: pip install -r requirements-extras.txt") from error
-    source = Path(path).expanduser()
     if not source.exists():
         raise FileNotFoundError(f"data.path={path!r}: no such file or folder (relative paths are relative to "
                                 f"{Path.cwd()})")
-    if source.is_dir() and any((source / f).is_file() for f in ("dataset_info.json", "dataset_dict.json")):
+    saved = source.is_dir() and any((source / f).is_file() for f in ("dataset_info.json", "dataset_dict.json"))
+    if subset is not None and (saved or source.is_file()):
+        raise UsageError(f"data.subset={subset}: {path} is {'a save_to_disk folder' if saved else 'one file'}, "
+                         "which has no subsets (they are a folder's or a hub dataset's, named in its README.md)")
+    if saved:
         loaded = load_from_disk(str(source))
         if not isinstance(loaded, DatasetDict):
             loaded = DatasetDict({"train": loaded})
@@ -171,7 +182,16 @@ def _load(path: str, split: str, val_split: Optional[str]) -> dict[str, Any]:
                              f"{', '.join(BUILDERS)} files or a save_to_disk folder")
         loaded = load_dataset(BUILDERS[source.suffix], data_files={"train": str(source)})
     else:
-        loaded = load_dataset(str(source))
+        try:
+            loaded = load_dataset(str(source), subset)
+        except ValueError as error:  # datasets' words for a subset missing or unknown
+            subsets = ", ".join(get_dataset_config_names(str(source)))
+            if subset is None and "Config name is missing" in str(error):
+                raise UsageError(f"data.subset: {path} has several subsets ({subsets}): pick one with "
+                                 "data.subset=NAME") from None
+            if subset is not None and "not found" in str(error):
+                raise UsageError(f"data.subset={subset}: {path} has the subsets {subsets}") from None
+            raise
     wanted = [split] + ([val_split] if val_split else [])
     missing = [name for name in wanted if name not in loaded]
     if missing:

@@ -1,16 +1,19 @@
-"""A pretrained model or tokenizer named by its Hugging Face hub id (`gpt2`, `Qwen/Qwen2.5-0.5B`) where a local
-folder is expected (model.pretrained, data.tokenizer).
+"""A pretrained model, tokenizer or dataset named by its Hugging Face hub id (`gpt2`, `Qwen/Qwen2.5-0.5B`,
+`Salesforce/wikitext`) where a local folder is expected (model.pretrained, data.tokenizer, data.path of
+data=hf_dataset).
 
 The id is fetched into the Hugging Face cache ($HF_HOME/hub, the one transformers and `hf download` use) by each
-machine's first process while the others wait, then every process reads it from there. Only what a
-`from_pretrained` folder needs comes down (configs, safetensors weights, tokenizer files), not the repository's
-copies of the weights for other frameworks. A path that exists always wins over an id. Where the hub cannot be
-reached (HF_HUB_OFFLINE=1, compute nodes without a network) the cached copy is used as it is, so `hf download
-NAME` on a login node fills the cache for the jobs. Private and gated models need `hf auth login` first.
+machine's first process while the others wait, then every process reads it from there. Only what is read comes
+down: of a model its configs, safetensors weights and tokenizer files (not the repository's copies of the weights
+for other frameworks), of a dataset its card and data files. A path that exists always wins over an id. Where
+the hub cannot be reached (HF_HUB_OFFLINE=1, compute nodes without a network) the cached copy is used as it is,
+so `hf download NAME` on a login node fills the cache for the jobs. Private and gated repositories need `hf auth
+login` first.
 """
 
 import logging
 from pathlib import Path
+from typing import Optional
 
 from accelerate import Accelerator
 
@@ -23,6 +26,10 @@ log = logging.getLogger(__name__)
 MODEL_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
 OLD_WEIGHTS = ["pytorch_model*.bin"]  # repositories from before safetensors have only these
 TOKENIZER_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken"]
+# A dataset repository's data files in the formats data=hf_dataset reads, where its card does not say which
+# files are the subset's (a repository can hold many large subsets: its card's `configs` name their files).
+DATASET_FILES = ["*.parquet", "*.arrow", "*.json", "*.jsonl", "*.csv"]
+CARD = "README.md"
 
 
 def is_hub_id(name: str) -> bool:
@@ -38,37 +45,75 @@ def is_hub_id(name: str) -> bool:
     return True
 
 
-def local_path(name: str, key: str, files: list[str] = MODEL_FILES, refresh: bool = False) -> Path:
+def local_path(name: str, key: str, files: list[str] = MODEL_FILES, refresh: bool = False,
+               repo_type: str = "model", quiet: bool = False) -> Path:
     """The local file or folder a config value names: a path as it is, a hub id as its snapshot in the cache,
-    downloaded where the cache has none. `refresh`: ask the hub for its newest revision first."""
+    downloaded where the cache has none. `refresh` (one process per machine): ask the hub for its newest
+    revision first, and log which one it is."""
     if not is_hub_id(name):
         return Path(name).expanduser()
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
+    def snapshot(patterns: list[str], **options) -> Path:
+        return Path(snapshot_download(name, repo_type=repo_type, allow_patterns=patterns, **options))
+
     try:
         if not refresh:
             try:
-                return Path(snapshot_download(name, allow_patterns=files, local_files_only=True))
+                return snapshot(files, local_files_only=True)
             except LocalEntryNotFoundError:
                 pass  # not cached yet: download
-        folder = Path(snapshot_download(name, allow_patterns=files))
+        folder = snapshot(files)
         if files is MODEL_FILES and not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(name, allow_patterns=files + OLD_WEIGHTS))
+            folder = snapshot(files + OLD_WEIGHTS)
+        if not quiet:
+            log.info("%s=%s: the Hugging Face hub's revision %s, in %s", key, name, folder.name, folder)
         return folder
-    except RepositoryNotFoundError as error:  # a gated model's error is one too
+    except RepositoryNotFoundError as error:  # a gated repository's error is one too
         raise UsageError(f"{key}={name}: no such local path (relative paths are relative to {Path.cwd()}), and "
-                         f"the Hugging Face hub has no model of that name that this machine may read ("
-                         f"{type(error).__name__}): check the name, and for a private or gated model log in "
+                         f"the Hugging Face hub has no {repo_type} of that name that this machine may read ("
+                         f"{type(error).__name__}): check the name, and for a private or gated {repo_type} log in "
                          "(`hf auth login`) after accepting its terms on its hub page") from None
     except LocalEntryNotFoundError as error:
         why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else _first_line(error)
+        download = f"hf download {name}" + (f" --repo-type {repo_type}" if repo_type != "model" else "")
         raise UsageError(f"{key}={name}: no such local path (relative paths are relative to {Path.cwd()}), and "
                          f"the Hugging Face hub cannot be reached ({why}) while its cache ({constants.HF_HUB_CACHE}) "
-                         f"has no copy: run `hf download {name}` on a machine with a network (it fills the same "
+                         f"has no copy: run `{download}` on a machine with a network (it fills the same "
                          f"cache), or give {key} a local path") from None
     except OSError as error:  # the hub's other HTTP errors, a full disk
         raise UsageError(f"{key}={name}: fetching it from the Hugging Face hub failed: {_first_line(error)}") from None
+
+
+def dataset_path(name: str, subset: Optional[str], refresh: bool = False) -> Path:
+    """data.path of data=hf_dataset: a path as it is; a hub id as the snapshot of its card and of the data files
+    the card gives the subset (all data files where it does not say)."""
+    if not is_hub_id(name):
+        return Path(name).expanduser()
+    card = local_path(name, "data.path", [CARD], refresh, "dataset", quiet=True) / CARD
+    files = subset_files(card, subset) or DATASET_FILES
+    return local_path(name, "data.path", [CARD, *files], refresh, "dataset")
+
+
+def subset_files(card: Path, subset: Optional[str]) -> list[str]:
+    """The path patterns of a subset's data files, as a dataset card's metadata (`configs`) gives them; without
+    a subset, the default or only one's. [] where the card does not say."""
+    from huggingface_hub import metadata_load
+
+    metadata = metadata_load(card) if card.is_file() else None
+    configs = (metadata or {}).get("configs") or []
+    if subset is None:
+        configs = [c for c in configs if c.get("default")] or (configs if len(configs) == 1 else [])
+    chosen = next((c for c in configs if subset is None or c.get("config_name") == subset), {})
+    patterns = []
+    for entry in _as_list(chosen.get("data_files")):
+        patterns += _as_list(entry.get("path") if isinstance(entry, dict) else entry)
+    return patterns
+
+
+def _as_list(value) -> list:
+    return [] if value is None else value if isinstance(value, list) else [value]
 
 
 def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_tokenizers: tuple) -> None:
@@ -85,10 +130,7 @@ def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_token
         return
     with accelerator.local_main_process_first():
         for name, (keys, files) in wanted.items():
-            folder = local_path(name, keys[0], files, refresh=accelerator.is_local_main_process)
-            if accelerator.is_local_main_process:
-                log.info("%s=%s: the Hugging Face hub's revision %s, in %s", " and ".join(keys), name, folder.name,
-                         folder)
+            local_path(name, " and ".join(keys), files, refresh=accelerator.is_local_main_process)
 
 
 def _first_line(error: BaseException) -> str:
