@@ -1,6 +1,8 @@
-"""Sample text from an exported language model: a run's `model/` (or `model_best/`, `model_ema/`) folder.
+"""Sample text from an exported language model: a run's `model/` (or `model_best/`, `model_ema/`) folder, or a
+pretrained model by its Hugging Face hub id (fetched into the Hugging Face cache: src/models/hub.py).
 
     python sample.py outputs/RUN/model --prompt "ROMEO:"
+    python sample.py gpt2 --prompt "Hello," --tokens 40                     # a base model, before fine-tuning it
     python sample.py outputs/RUN/model --prompt "To be" --num-samples 3 --tokens 100 --temperature 0.9 --seed 7
 
 The folder holds the weights, the model's config and how the run's text became token ids (vocabulary.json or
@@ -19,6 +21,7 @@ from src.checkpointing.export import load_exported_model
 from src.data.tokenizer import Codec
 from src.loop.sampling import sample_texts
 from src.models.hf_causal_lm import positions_of
+from src.models.hub import local_path
 from src.schema.errors import UsageError
 
 
@@ -33,7 +36,7 @@ def block_size_of(model: torch.nn.Module, folder: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path, help="an exported model folder, e.g. outputs/RUN/model")
+    parser.add_argument("folder", help="an exported model folder (e.g. outputs/RUN/model) or a hub model id")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a new line)")
     parser.add_argument("--num-samples", type=int, default=1, help="continuations of the prompt")
     parser.add_argument("--tokens", type=int, default=200, help="tokens sampled after the prompt")
@@ -51,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     try:
-        codec = Codec.load(args.folder)
-        model = load_exported_model(args.folder, args.device)
+        folder = local_path(args.folder, "folder", refresh=True)  # a hub id: its snapshot in the HF cache
+        codec = Codec.load(folder)
+        model = load_exported_model(folder, args.device)
         texts = sample_texts(model, codec, [args.prompt] * args.num_samples, args.tokens, args.temperature,
-                             args.top_k or None, args.seed, block_size_of(model, args.folder))
+                             args.top_k or None, args.seed, block_size_of(model, folder))
     except (UsageError, FileNotFoundError) as error:
         print(f"sample.py: {error}", file=sys.stderr)
         return 2

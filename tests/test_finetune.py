@@ -180,14 +180,18 @@ def test_a_hub_id_trains_as_its_folder_does_read_from_the_hugging_face_cache(tmp
     snapshot = put_in_hub_cache(pretrained, hf_home, "tiny-org/tiny-gpt2")
     by_id, by_folder = tmp_path / "by_id", tmp_path / "by_folder"
     args = ["trainer.max_steps=3", "trainer.monitor=null"]
-    proc = run([*finetune_args("tiny-org/tiny-gpt2", by_id), *args],
-               env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"})
+    offline = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    proc = run([*finetune_args("tiny-org/tiny-gpt2", by_id), *args], env=offline)
     run([*finetune_args(pretrained, by_folder), *args])
     assert (f"model.pretrained and data.tokenizer=tiny-org/tiny-gpt2: the Hugging Face hub's revision "
             f"{snapshot.name}, in {snapshot}") in proc.stdout
     assert scalars(by_id, "train/loss") == scalars(by_folder, "train/loss")
     assert max_abs_diff(exported_weights(by_id), exported_weights(by_folder)) == 0
     assert (by_id / "model" / "tokenizer.json").read_bytes() == (pretrained / "tokenizer.json").read_bytes()
+    # sample.py reads the id as its folder too: the base model's text, before any fine-tuning.
+    sampled = [run([name, "--prompt", "To be", "--tokens", "8"], command=[sys.executable, "sample.py"], env=env).stdout
+               for name, env in (("tiny-org/tiny-gpt2", offline), (str(pretrained), {}))]
+    assert sampled[0].startswith("To be") and sampled[0] == sampled[1], sampled
 
 
 @pytest.mark.parametrize("key", ["model.pretrained", "data.tokenizer"])
