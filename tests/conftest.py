@@ -41,6 +41,8 @@ GPU_ENV = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES") or ","
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # accelerate's launcher reads $HF_HOME/accelerate/default_config.yaml: the tests must not see the machine's own.
 HF_HOME = os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hf_home_")  # removed when the session ends
+# No test reaches the network: a hub id resolves from that cache alone (src/models/hub.py), as on a compute node.
+os.environ["HF_HUB_OFFLINE"] = "1"
 # What the launches leave in the temporary directory, which nobody removes (torch's launcher a torchelastic_*
 # folder each), goes to a folder of this session, removed when it ends. This process's own temporary files
 # (pytest's tmp_path) and the compiler's caches stay where a user's are, so that compiled tests start warm.

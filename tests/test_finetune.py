@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from src.schema.errors import UsageError
-from tests.conftest import (PRETRAINED_VOCAB, QUIET, exported_weights, kill_when, max_abs_diff, put_in_hub_cache, run,
-                            scalars)
+from tests.conftest import (HF_HOME, PRETRAINED_VOCAB, QUIET, exported_weights, kill_when, max_abs_diff,
+                            put_in_hub_cache, run, scalars)
 
 transformers = pytest.importorskip("transformers")
 VOCAB = PRETRAINED_VOCAB
@@ -174,23 +174,22 @@ def test_lora_trains_only_its_adapter_the_same_however_the_batch_is_split_resume
 
 
 def test_a_hub_id_trains_as_its_folder_does_read_from_the_hugging_face_cache(tmp_path, pretrained):
-    """Offline (HF_HUB_OFFLINE=1), as on compute nodes after `hf download` on a login node: the id's cached
-    snapshot serves as the model's folder and as the data's tokenizer; the run is the folder's run."""
-    hf_home = tmp_path / "hf_home"
-    snapshot = put_in_hub_cache(pretrained, hf_home, "tiny-org/tiny-gpt2")
+    """Offline (the suite sets HF_HUB_OFFLINE=1), as on compute nodes after `hf download` on a login node: the
+    id's cached snapshot serves as the model's folder and as the data's tokenizer; the run is the folder's run."""
+    repo_id = f"tiny-org/{tmp_path.name}"  # in the suite's Hugging Face cache (conftest's HF_HOME), its own
+    snapshot = put_in_hub_cache(pretrained, Path(HF_HOME), repo_id)
     by_id, by_folder = tmp_path / "by_id", tmp_path / "by_folder"
     args = ["trainer.max_steps=3", "trainer.monitor=null"]
-    offline = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    proc = run([*finetune_args("tiny-org/tiny-gpt2", by_id), *args], env=offline)
+    proc = run([*finetune_args(repo_id, by_id), *args])
     run([*finetune_args(pretrained, by_folder), *args])
-    assert (f"model.pretrained and data.tokenizer=tiny-org/tiny-gpt2: the Hugging Face hub's revision "
-            f"{snapshot.name}, in {snapshot}") in proc.stdout
+    assert (f"model.pretrained and data.tokenizer={repo_id}: the Hugging Face hub's revision {snapshot.name}, "
+            f"in {snapshot}") in proc.stdout
     assert scalars(by_id, "train/loss") == scalars(by_folder, "train/loss")
     assert max_abs_diff(exported_weights(by_id), exported_weights(by_folder)) == 0
     assert (by_id / "model" / "tokenizer.json").read_bytes() == (pretrained / "tokenizer.json").read_bytes()
     # sample.py reads the id as its folder too: the base model's text, before any fine-tuning.
-    sampled = [run([name, "--prompt", "To be", "--tokens", "8"], command=[sys.executable, "sample.py"], env=env).stdout
-               for name, env in (("tiny-org/tiny-gpt2", offline), (str(pretrained), {}))]
+    sampled = [run([name, "--prompt", "To be", "--tokens", "8"], command=[sys.executable, "sample.py"]).stdout
+               for name in (repo_id, str(pretrained))]
     assert sampled[0].startswith("To be") and sampled[0] == sampled[1], sampled
 
 
