@@ -35,7 +35,7 @@ from src.loop.accumulation import accumulation_windows, global_target_count, los
 from src.loop.batches import split_batch
 from src.loop.early_stopping import EarlyStopping
 from src.loop.ema import build_ema
-from src.loop.evaluation import evaluate
+from src.loop.evaluation import evaluate_run
 from src.loop.forward import Forward
 from src.loop.sampling import Sampler
 from src.optim.optimizers import build_optimizer
@@ -106,6 +106,9 @@ def train(cfg: DictConfig) -> float | None:
     if early_stopping.already_stopped(state):  # resumed from the checkpoint of an early stop
         log.info("%s at step %d: nothing left to train", early_stopping.reason(state), state.step)
         windows = []
+    elif trainer.eval_on_start and state.step == 0:  # where the eval curves start (a pretrained model's metrics)
+        with telemetry.phase("evaluation"):
+            metrics = evaluate_run(model, ema, val_loader, accelerator, forward, step=0)
     for window in telemetry.timed_windows(windows):
         hang_watch.beat(state.step)
         window = [split_batch(batch, objective.target_key) for batch in window]  # (inputs, targets) pairs
@@ -152,14 +155,7 @@ def train(cfg: DictConfig) -> float | None:
         step_metrics = None
         if evaluating:
             with telemetry.phase("evaluation"):
-                step_metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, forward).items()}
-                if ema is not None:
-                    with accelerator.autocast():  # the prepared model's precision; the copy was not prepared
-                        ema_metrics = evaluate(ema.module, val_loader, accelerator, forward)
-                    step_metrics.update({f"eval_ema/{k}": v for k, v in ema_metrics.items() if k != "samples"})
-            metrics = step_metrics
-            accelerator.log(metrics, step=state.step)
-            log.info("step %d: %s", state.step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+                metrics = step_metrics = evaluate_run(model, ema, val_loader, accelerator, forward, state.step)
         sampler.step_finished(state.step, model)  # trainer.sample_every: text from rank 0
         stop_reason = None
         if not done and early_stopping.should_stop(step_metrics, state):

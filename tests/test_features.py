@@ -1,8 +1,9 @@
 """The features users expect of a serious trainer, each a config key: EMA weights, early stopping,
 SyncBatchNorm, training length in epochs, LR scaling by global batch, deterministic runs, a CUDA memory cap,
-starting from another run's weights."""
+starting from another run's weights, an evaluation before the first step."""
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -30,6 +31,24 @@ def test_ema_weights_are_evaluated_exported_and_resume_bitwise(tmp_path):
     assert sorted(scalars(tmp_path / "straight", "eval_ema/loss")) == [4, 8]
     assert scalars(tmp_path / "straight", "eval_ema/loss") == scalars(tmp_path / "resumed", "eval_ema/loss")
     assert scalars(tmp_path / "straight", "eval_ema/loss") != scalars(tmp_path / "straight", "eval/loss")
+
+
+def test_eval_on_start_logs_the_untrained_models_metrics_at_step_0_and_changes_nothing_trained(tmp_path):
+    args = [*SHORT, "trainer.max_steps=3", "trainer.ema_decay=0.9", "trainer.eval_batches=2"]
+    proc = run([*args, "trainer.eval_on_start=true", f"hydra.run.dir={tmp_path / 'start'}"])
+    run([*args, f"hydra.run.dir={tmp_path / 'plain'}"])
+    start, plain = tmp_path / "start", tmp_path / "plain"
+    losses = scalars(start, "eval/loss")
+    assert sorted(losses) == [0, 3] and sorted(scalars(plain, "eval/loss")) == [3]
+    assert abs(losses[0] - math.log(65)) < 0.2  # the tiny GPT as initialised: about ln(vocabulary)
+    assert scalars(start, "eval_ema/loss")[0] == losses[0]  # the average starts as the weights
+    assert re.search(r"step 0: eval/loss=\d\.\d{4}, eval/accuracy=", proc.stdout)
+    assert scalars(start, "train/loss") == scalars(plain, "train/loss")
+    assert max_abs_diff(exported_weights(start), exported_weights(plain)) == 0
+    assert scalars(start, "eval/loss")[3] == scalars(plain, "eval/loss")[3]
+    resumed = run([*args, "trainer.eval_on_start=true", "trainer.max_steps=4", "resume=auto",
+                   f"hydra.run.dir={start}"])
+    assert "resumed from" in resumed.stdout and "step 0: eval/loss" not in resumed.stdout
 
 
 def test_early_stopping_stops_every_rank_together_says_why_and_stays_stopped_on_resume(tmp_path):

@@ -24,6 +24,7 @@ SAFE_ON_RESUME = {
     "resume", "trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
     "trainer.checkpoint_every",
     "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads", "data.num_workers",
+    "trainer.eval_on_start",
     "trainer.trackers", "trainer.tracker_project", "trainer.resume_with_changed_data",
     # Sampling reads the weights with its own random state: it changes nothing trained (tests/test_sampling.py).
     "trainer.sample_every", "trainer.sample_prompts", "trainer.sample_tokens", "trainer.sample_temperature",

@@ -1,5 +1,6 @@
 """Evaluation whose metrics are exact across processes: every validation sample counted exactly once."""
 
+import logging
 from collections import defaultdict
 
 import torch
@@ -7,6 +8,8 @@ from accelerate import Accelerator
 
 from src.loop.batches import split_batch
 from src.loop.forward import Forward
+
+log = logging.getLogger("train")  # its lines are the training log's
 
 
 @torch.no_grad()
@@ -32,3 +35,18 @@ def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, forward: 
     # A metric with nothing to average over (e.g. every target ignored) is NaN, not a flattering 0.
     return {**{name: sums[name] / weights[name] if weights[name] else float("nan") for name in sums},
             "samples": samples}
+
+
+
+def evaluate_run(model: torch.nn.Module, ema, loader, accelerator: Accelerator, forward: Forward,
+                 step: int) -> dict[str, float]:
+    """The run's evaluation at optimizer step `step`: the model's metrics as eval/*, with trainer.ema_decay its
+    average's as eval_ema/*, logged to the trackers and the log."""
+    metrics = {f"eval/{k}": v for k, v in evaluate(model, loader, accelerator, forward).items()}
+    if ema is not None:
+        with accelerator.autocast():  # the prepared model's precision; the copy was not prepared
+            ema_metrics = evaluate(ema.module, loader, accelerator, forward)
+        metrics.update({f"eval_ema/{k}": v for k, v in ema_metrics.items() if k != "samples"})
+    accelerator.log(metrics, step=step)
+    log.info("step %d: %s", step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+    return metrics

@@ -39,6 +39,9 @@ class TrainerConfig:
     max_consecutive_skips: Annotated[int, Arg("with nonfinite=skip, stop after this many skipped steps in a row",
                                               ge=1)] = 10
     eval_every: Annotated[int, Arg("optimizer steps between evaluations (0: only at the end)", ge=0)] = 500
+    eval_on_start: Annotated[bool, Arg("evaluate once before the first step, logged at step 0: where the eval "
+                                       "curves start (a pretrained model's own metrics), and an evaluation that "
+                                       "fails does so before any training")] = False
     limit_train_batches: Annotated[Optional[int], Arg(
         "train on the first N global batches of the training set only, an epoch being those N (debug=overfit, "
         "debug=limit; null: all)", ge=1)] = None
