@@ -213,3 +213,71 @@ def test_an_existing_path_wins_over_a_hub_id_of_the_same_name(offline_hub, tmp_p
     assert local_path("tiny-org/tiny-gpt2", "model.pretrained") == Path("tiny-org/tiny-gpt2")
     assert [name for name in ("gpt2", "Qwen/Qwen2.5-0.5B", "tiny-org/tiny-gpt2", "outputs/RUN/model", "/models/gpt2",
                               "./gpt2", "~/gpt2") if is_hub_id(name)] == ["gpt2", "Qwen/Qwen2.5-0.5B"]
+
+
+# Instruction tuning: a question and its answer per line; only the answer is trained on.
+PAIRS = [{"prompt": f"Question {i}: who speaks?\nAnswer:", "text": f" ROMEO, the {i}th time."} for i in range(40)]
+
+
+def write_pairs(tmp_path, pairs=PAIRS):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    return path
+
+
+def test_a_prompted_sample_trains_on_its_completion_alone_ended_by_the_tokenizers_end_of_text(tmp_path, pretrained):
+    from src.data.jsonl import IGNORE_INDEX, JsonlData, pad_right
+    from src.objectives.classification import CausalLM
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(pretrained)
+    data = JsonlData(block_size=48, path=str(write_pairs(tmp_path)), prompt_key="prompt", tokenizer=str(pretrained),
+                     batch_size=4)
+    prompt, answer = (tokenizer(PAIRS[0][key])["input_ids"] for key in ("prompt", "text"))
+    end = [tokenizer.eos_token_id]
+    sample = data.train[0]
+    assert sample["input_ids"].tolist() == prompt + answer + end
+    assert sample["labels"].tolist() == [IGNORE_INDEX] * len(prompt) + answer + end
+    # The loss counts the answer's tokens and the end of text, whatever the prompts' lengths.
+    batch = pad_right([data.train[i] for i in range(4)], pad_id=0)
+    answers = sum(len(tokenizer(PAIRS[i]["text"])["input_ids"]) + 1 for i in range(4))
+    assert CausalLM().count(batch["labels"]) == answers
+
+    by_bytes = JsonlData(block_size=64, path=str(write_pairs(tmp_path)), prompt_key="prompt", batch_size=4)
+    assert by_bytes.train[0]["labels"].tolist()[-1] == ord(".")  # no end-of-text token to append
+
+
+def test_hugging_face_datasets_prompt_the_same_way_padded_or_packed(tmp_path, pretrained):
+    datasets = pytest.importorskip("datasets")
+    from src.data.hf_dataset import HFDataset
+    from src.data.jsonl import JsonlData
+
+    datasets.Dataset.from_list(PAIRS).to_parquet(str(tmp_path / "pairs.parquet"))
+    options = {"block_size": 48, "tokenizer": str(pretrained), "batch_size": 4}
+    padded = HFDataset(path=str(tmp_path / "pairs.parquet"), prompt_column="prompt", **options)
+    jsonl = JsonlData(path=str(write_pairs(tmp_path)), prompt_key="prompt", **options)
+    assert [padded.train[i]["labels"].tolist() for i in range(3)] == [jsonl.train[i]["labels"].tolist()
+                                                                       for i in range(3)]
+    packed = HFDataset(path=str(tmp_path / "pairs.parquet"), prompt_column="prompt", packing=True, **options)
+    stream = [label for i in range(len(jsonl.train)) for label in jsonl.train[i]["labels"].tolist()]
+    assert packed.train[1]["labels"].tolist() == stream[48:96]  # the answers' labels, across a block boundary
+
+
+def test_prompts_that_fill_the_block_are_counted_in_a_warning_and_a_missing_prompt_key_is_refused(
+        tmp_path, pretrained, caplog):
+    from src.data.jsonl import JsonlData
+
+    path = write_pairs(tmp_path)
+    with caplog.at_level("WARNING"):
+        JsonlData(block_size=4, path=str(path), prompt_key="prompt", tokenizer=str(pretrained), batch_size=4)
+    assert "40 of the first 40 samples have no completion token within data.block_size=4" in caplog.text
+    with pytest.raises(ValueError, match=r"pairs.jsonl:1: no 'question' key \(data.prompt_key\); keys: \['prompt', "
+                                         r"'text'\]"):
+        JsonlData(block_size=48, path=str(path), prompt_key="question", batch_size=4)
+
+
+def test_instruction_tuning_a_pretrained_model_learns_its_answers(tmp_path, pretrained):
+    run_dir = tmp_path / "sft"
+    run([*finetune_args(pretrained, run_dir), f"data.path={write_pairs(tmp_path)}", "data.prompt_key=prompt",
+         "trainer.max_steps=12", "trainer.eval_on_start=true", "trainer.monitor=null"])
+    losses = scalars(run_dir, "eval/loss")
+    assert sorted(losses) == [0, 12] and losses[12] < losses[0] - 1.0, losses

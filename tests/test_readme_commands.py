@@ -85,6 +85,10 @@ NOT_RUN = {
                          "small model's id from the hub's cache",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=/models/gpt2 data=jsonl objective=causal_lm "
     "optimizer.lr=5e-5": "needs a downloaded model; tests/test_finetune.py runs it with a small pretrained folder",
+    "accelerate launch train.py model=hf_causal_lm model.pretrained=Qwen/Qwen2.5-0.5B model.block_size=512 data=jsonl "
+    "data.path=pairs.jsonl data.prompt_key=prompt data.text_key=completion objective=causal_lm "
+    "trainer.eval_on_start=true": "downloads from the Hugging Face hub (no network here); tests/test_finetune.py "
+                                  "instruction-tunes a small pretrained folder",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/RUN/model data=jsonl objective=causal_lm":
         "tests/test_finetune.py fine-tunes one run's export in another",
     "accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=corpus.parquet data.packing=true "

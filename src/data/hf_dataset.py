@@ -12,8 +12,9 @@ maps first; the others then read its cache, so no two processes of a machine tok
 `objective=causal_lm`): each document truncated to `block_size` and padded per batch, or with `packing` the
 documents concatenated and cut into blocks of `block_size` (a map batch's tail shorter than a block is dropped,
 as transformers' run_clm does). With `mask_boundaries` no label asks a block to predict a document's first
-token from the document before it. Validation is a named split (`val_split`) or the last `val_fraction` of the
-documents.
+token from the document before it. With `prompt_column`, each document is a prompt and its completion (instruction
+tuning, as `data=jsonl`'s `prompt_key`): only the completion is trained on. Validation is a named split
+(`val_split`) or the last `val_fraction` of the documents.
 """
 
 import functools
@@ -25,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size
-from src.data.jsonl import IGNORE_INDEX, pad_right
+from src.data.jsonl import IGNORE_INDEX, pad_right, prompted, warn_untrained
 from src.data.tokenizer import codec_for
 from src.models.hub import dataset_path
 from src.schema.errors import UsageError
@@ -59,7 +60,11 @@ class HFDataset(DataModule):
         path: Annotated[str, Arg("a Parquet, JSON Lines, CSV or Arrow file, a folder of them, or a save_to_disk "
                                  "folder")],
         block_size: Annotated[int, Arg("tokens per sample: the longest document, or the packed block", ge=2)],
-        text_column: Annotated[str, Arg("the column holding each document's text")] = "text",
+        text_column: Annotated[str, Arg("the column holding each document's text (with prompt_column: its "
+                                        "completion)")] = "text",
+        prompt_column: Annotated[Optional[str], Arg(
+            "the column holding each document's prompt (instruction tuning): it conditions the text but is not "
+            "trained on, its labels -100 (null: documents are trained on whole)")] = None,
         split: Annotated[str, Arg("the split that trains (a file read directly is the split 'train')")] = "train",
         val_split: Annotated[Optional[str], Arg("a split that validates (null: the last val_fraction of "
                                                 "split)")] = None,
@@ -88,8 +93,12 @@ class HFDataset(DataModule):
         with PartialState().local_main_process_first():
             # A hub id: its data files, fetched into the Hugging Face cache by this machine's first process.
             source = dataset_path(path, subset, refresh=PartialState().is_local_main_process)
-            train, val = self._documents(source, path, split, val_split, val_fraction, text_column, subset)
-            train, val = (self._tokenized(d, text_column, block_size, packing, mask_boundaries) for d in (train, val))
+            train, val = self._documents(source, path, split, val_split, val_fraction, text_column, subset,
+                                         prompt_column)
+            train, val = (self._tokenized(d, text_column, prompt_column, block_size, packing, mask_boundaries)
+                          for d in (train, val))
+        if prompt_column and not packing:  # a sample of the data says enough, at a bounded cost
+            warn_untrained(train.select(range(min(len(train), 10_000)))["labels"], block_size, f"data.path={path}")
         if len(train) == 0 or len(val) == 0:
             raise UsageError(f"data.path={path}: no {'block' if packing else 'document'} to "
                              f"{'train' if len(train) == 0 else 'validate'} on (data.block_size={block_size})")
@@ -99,11 +108,12 @@ class HFDataset(DataModule):
 
     @staticmethod
     def _documents(source: Path, path: str, split: str, val_split: Optional[str], val_fraction: float,
-                   text_column: str, subset: Optional[str]):
+                   text_column: str, subset: Optional[str], prompt_column: Optional[str]):
         splits = _load(source, path, split, val_split, subset)
         train = splits[split]
-        if text_column not in train.column_names:
-            raise UsageError(f"data.text_column={text_column}: {path} has no such column; its columns: "
+        for key, column in (("data.text_column", text_column), ("data.prompt_column", prompt_column)):
+            if column is not None and column not in train.column_names:
+                raise UsageError(f"{key}={column}: {path} has no such column; its columns: "
                              f"{', '.join(train.column_names)}")
         if val_split is not None:
             return train, splits[val_split]
@@ -112,19 +122,26 @@ class HFDataset(DataModule):
             raise UsageError(f"data.path={path}: {len(train)} documents are too few to train and validate")
         return train.select(range(len(train) - n_val)), train.select(range(len(train) - n_val, len(train)))
 
-    def _tokenized(self, documents: Any, text_column: str, block_size: int, packing: bool,
-                   mask_boundaries: bool) -> Any:
+    def _tokenized(self, documents: Any, text_column: str, prompt_column: Optional[str], block_size: int,
+                   packing: bool, mask_boundaries: bool) -> Any:
         codec = self.codec
         # The cache key: the documents' own fingerprint (datasets keeps it as _fingerprint) and every setting
         # of the mapping, stated rather than left to datasets' hashing of the closure (a tokenizer inside).
         identity = hashlib.blake2b(digest_size=8)
-        for part in (documents._fingerprint, text_column, block_size, packing, mask_boundaries, codec.kind,
+        for part in (documents._fingerprint, text_column, prompt_column, block_size, packing, mask_boundaries,
+                     codec.kind, codec.end_of_text,
                      codec.tokenizer.to_str() if codec.tokenizer else ""):
             identity.update(str(part).encode())
 
         def tokenize(batch: dict) -> dict:
-            ids = [codec.encode(text) for text in batch[text_column] if text]
-            return _packed(ids, block_size, mask_boundaries) if packing else {"input_ids": ids}
+            if prompt_column is None:
+                ids = [codec.encode(text) for text in batch[text_column] if text]
+                return _packed(ids, ids, block_size, mask_boundaries) if packing else {"input_ids": ids}
+            samples = [prompted(codec, prompt or "", text)
+                       for prompt, text in zip(batch[prompt_column], batch[text_column]) if text]
+            ids, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
+            return _packed(ids, labels, block_size, mask_boundaries) if packing else {"input_ids": ids,
+                                                                                      "labels": labels}
 
         return documents.map(tokenize, batched=True, remove_columns=documents.column_names,
                              new_fingerprint=identity.hexdigest(), desc="tokenizing")
@@ -134,16 +151,20 @@ class HFDataset(DataModule):
         return self.codec.vocab_size
 
 
-def _packed(documents: list[list[int]], block_size: int, mask_boundaries: bool) -> dict:
-    """The documents end to end, cut into blocks; labels -100 where a document starts mid-block if asked."""
-    stream, starts = [], set()
-    for ids in documents:
+def _packed(documents: list[list[int]], document_labels: list[list[int]], block_size: int,
+            mask_boundaries: bool) -> dict:
+    """The documents end to end, cut into blocks, with their labels (-100 on prompts); also -100 where a document
+    starts mid-block if asked."""
+    stream, stream_labels, starts = [], [], set()
+    for ids, labels in zip(documents, document_labels):
         starts.add(len(stream))
         stream += ids
+        stream_labels += labels
     blocks = {"input_ids": [], "labels": []}
     for begin in range(0, len(stream) - block_size + 1, block_size):
         ids = stream[begin : begin + block_size]
-        labels = [IGNORE_INDEX if mask_boundaries and begin + t in starts and t > 0 else i for t, i in enumerate(ids)]
+        labels = [IGNORE_INDEX if mask_boundaries and begin + t in starts and t > 0 else stream_labels[begin + t]
+                  for t in range(len(ids))]
         blocks["input_ids"].append(ids)
         blocks["labels"].append(labels)
     return blocks

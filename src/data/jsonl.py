@@ -8,11 +8,15 @@ id (with `model.pretrained`, that model's tokenizer by default), truncated to
     {"input_ids": (B, T), "attention_mask": (B, T), "labels": (B, T)}   labels = input_ids, -100 on padding
 
 Labels are aligned with the inputs (Hugging Face's convention): use `objective=causal_lm`, which shifts them.
+With `prompt_key` each line is a prompt and its completion (instruction tuning): the sample is the prompt's
+tokens then the completion's, ended by the tokenizer's end-of-text token where it has one, and only the
+completion is trained on (the prompt's labels are -100: it conditions, it is not learned).
 The bundled sample, data/shakespeare_speeches.jsonl, has one speech of tiny Shakespeare per line.
 """
 
 import functools
 import json
+import logging
 from typing import Annotated, Optional
 
 import torch
@@ -24,17 +28,39 @@ from src.schema.signature import Arg
 
 IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)
 
+log = logging.getLogger(__name__)
+
 
 class Documents(Dataset):
-    def __init__(self, documents: list[list[int]], block_size: int):
-        self.documents, self.block_size = documents, block_size
+    """Token ids per document, truncated to block_size; labels the ids themselves unless given (prompted)."""
+
+    def __init__(self, documents: list[list[int]], block_size: int, labels: Optional[list[list[int]]] = None):
+        self.documents, self.block_size, self.labels = documents, block_size, labels
 
     def __len__(self) -> int:
         return len(self.documents)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = torch.tensor(self.documents[i][: self.block_size], dtype=torch.long)
-        return {"input_ids": ids, "labels": ids.clone()}
+        labels = ids.clone() if self.labels is None else torch.tensor(self.labels[i][: self.block_size])
+        return {"input_ids": ids, "labels": labels}
+
+
+def prompted(codec, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+    """A prompt and its completion as one sample's ids and labels: the prompt's labels -100 (it conditions the
+    completion and is not trained on), the completion ended by the tokenizer's end-of-text token where it has one,
+    so that the model learns where an answer stops."""
+    prompt_ids = codec.encode(prompt)
+    completion_ids = codec.encode(completion) + ([codec.end_of_text] if codec.end_of_text is not None else [])
+    return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+
+
+def warn_untrained(labels: list[list[int]], block_size: int, source: str) -> None:
+    """Prompted samples whose prompt fills the whole block train nothing: say how many, once."""
+    untrained = sum(all(label == IGNORE_INDEX for label in sample[1:block_size]) for sample in labels)
+    if untrained:
+        log.warning("%s: %d of the first %d samples have no completion token within data.block_size=%d, so they "
+                    "train nothing (a longer block, or shorter prompts)", source, untrained, len(labels), block_size)
 
 
 def pad_right(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -58,7 +84,10 @@ class JsonlData(DataModule):
         self,
         block_size: Annotated[int, Arg("longest document in tokens (longer ones are truncated)", ge=2)],
         path: Annotated[str, Arg("JSON Lines file, one document per line")] = "data/shakespeare_speeches.jsonl",
-        text_key: Annotated[str, Arg("the key of each line's document")] = "text",
+        text_key: Annotated[str, Arg("the key of each line's document (with prompt_key: its completion)")] = "text",
+        prompt_key: Annotated[Optional[str], Arg(
+            "the key of each line's prompt (instruction tuning): it conditions the text under text_key but is not "
+            "trained on, its labels -100 (null: each line is one document, trained on whole)")] = None,
         tokenizer: Annotated[Optional[str], Arg("byte, char (vocabulary from the file), a tokenizers JSON file, "
                                                 "or a from_pretrained folder or hub id holding one (null: byte)")
                                             ] = "byte",
@@ -68,7 +97,7 @@ class JsonlData(DataModule):
         super().__init__(**loader)
         file = readable_file(path, "data.path")
         self.source_files = {file.name: file}
-        texts = []
+        texts, prompts = [], []
         for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
             if line.strip():
                 try:
@@ -76,16 +105,23 @@ class JsonlData(DataModule):
                 except json.JSONDecodeError as error:
                     raise ValueError(f"{file}:{number}: not a JSON object ({error.msg}, "
                                      f"column {error.colno})") from None
-                if text_key not in record:
-                    raise ValueError(f"{file}:{number}: no {text_key!r} key (data.text_key); keys: {sorted(record)}")
+                for key, name in ((text_key, "data.text_key"), (prompt_key, "data.prompt_key")):
+                    if key is not None and key not in record:
+                        raise ValueError(f"{file}:{number}: no {key!r} key ({name}); keys: {sorted(record)}")
                 texts.append(record[text_key])
-        self.codec = codec_for(tokenizer, texts)  # padding is id 0 (pad_right), masked wherever it appears
-        documents = [ids for ids in map(self.codec.encode, texts) if ids]
+                prompts.append(record[prompt_key] if prompt_key else None)
+        self.codec = codec_for(tokenizer, texts + [p for p in prompts if p])  # padding is id 0 (pad_right)
+        if prompt_key:  # the completion must not be empty; the prompt may be
+            samples = [prompted(self.codec, prompt, text) for prompt, text in zip(prompts, texts) if text]
+            documents, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
+            warn_untrained(labels, block_size, str(file))
+        else:
+            documents, labels = [ids for ids in map(self.codec.encode, texts) if ids], None
         n_val = max(1, int(len(documents) * val_fraction))
         if len(documents) - n_val < 1:
             raise ValueError(f"{file} has {len(documents)} non-empty documents: too few to train and validate")
-        self.train = Documents(documents[:-n_val], block_size)
-        self.val = Documents(documents[-n_val:], block_size)
+        self.train = Documents(documents[:-n_val], block_size, labels and labels[:-n_val])
+        self.val = Documents(documents[-n_val:], block_size, labels and labels[-n_val:])
         self.collate_fn = functools.partial(pad_right, pad_id=0)
 
     @model_size

@@ -51,8 +51,9 @@ class Codec:
 
     SAVED = "vocabulary.json"
 
-    def __init__(self, kind: str, chars: str = "", tokenizer: Any = None):
+    def __init__(self, kind: str, chars: str = "", tokenizer: Any = None, end_of_text: Optional[int] = None):
         self.kind, self.chars, self.tokenizer = kind, chars, tokenizer
+        self.end_of_text = end_of_text  # the id that ends a completion (prompted data), where the tokenizer has one
         self._index = {ch: i for i, ch in enumerate(chars)}
 
     @property
@@ -112,4 +113,17 @@ def codec_for(name: Optional[str], texts: Optional[list[str]] = None, key: str =
         if texts is None:
             raise UsageError(f"{key}=char: this data option reads its documents lazily; use byte or a tokenizer")
         return Codec("char", "".join(sorted(set("".join(texts)))))
-    return Codec("tokenizer", tokenizer=load_tokenizer(name, key))
+    file = tokenizer_file(name, key)
+    tokenizer = load_tokenizer(str(file), key)
+    return Codec("tokenizer", tokenizer=tokenizer, end_of_text=end_of_text_id(file, tokenizer))
+
+
+def end_of_text_id(file: Path, tokenizer: Any) -> Optional[int]:
+    """The id of the end-of-text token that the tokenizer's folder names (tokenizer_config.json's eos_token, as
+    save_pretrained writes it), or None."""
+    config = file.parent / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    token = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+    token = token.get("content") if isinstance(token, dict) else token
+    return tokenizer.token_to_id(token) if isinstance(token, str) else None
