@@ -57,8 +57,8 @@ class HFDataset(DataModule):
 
     def __init__(
         self,
-        path: Annotated[str, Arg("a Parquet, JSON Lines, CSV or Arrow file, a folder of them, or a save_to_disk "
-                                 "folder")],
+        path: Annotated[str, Arg("a Parquet, JSON Lines, CSV or Arrow file, a folder of them, a save_to_disk "
+                                 "folder, or a Hugging Face hub dataset id")],
         block_size: Annotated[int, Arg("tokens per sample: the longest document, or the packed block", ge=2)],
         text_column: Annotated[str, Arg("the column holding each document's text (with prompt_column: its "
                                         "completion)")] = "text",
@@ -114,7 +114,7 @@ class HFDataset(DataModule):
         for key, column in (("data.text_column", text_column), ("data.prompt_column", prompt_column)):
             if column is not None and column not in train.column_names:
                 raise UsageError(f"{key}={column}: {path} has no such column; its columns: "
-                             f"{', '.join(train.column_names)}")
+                                 f"{', '.join(train.column_names)}")
         if val_split is not None:
             return train, splits[val_split]
         n_val = max(1, int(len(train) * val_fraction))

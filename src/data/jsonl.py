@@ -112,7 +112,7 @@ class JsonlData(DataModule):
                 prompts.append(record[prompt_key] if prompt_key else None)
         self.codec = codec_for(tokenizer, texts + [p for p in prompts if p])  # padding is id 0 (pad_right)
         if prompt_key:  # the completion must not be empty; the prompt may be
-            samples = [prompted(self.codec, prompt, text) for prompt, text in zip(prompts, texts) if text]
+            samples = [prompted(self.codec, prompt or "", text) for prompt, text in zip(prompts, texts) if text]
             documents, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
             warn_untrained(labels, block_size, str(file))
         else:

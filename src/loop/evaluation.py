@@ -37,7 +37,6 @@ def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, forward: 
             "samples": samples}
 
 
-
 def evaluate_run(model: torch.nn.Module, ema, loader, accelerator: Accelerator, forward: Forward,
                  step: int) -> dict[str, float]:
     """The run's evaluation at optimizer step `step`: the model's metrics as eval/*, with trainer.ema_decay its
