@@ -18,12 +18,14 @@ from omegaconf import DictConfig, OmegaConf
 import src.schema.hydra_hooks  # noqa: F401  (registers the resolvers a run's config may use)
 from src.checkpointing.export import load_exported_model
 from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
+from src.data.tokenizer import BUILT_IN_TOKENIZERS
 from src.launch.accelerator import keep_freed_memory, use_cpu_threads
 from src.launch.checks import check_process_count
 from src.launch.settings import needs_cpu_flag
 from src.launch.shutdown import run_then_release, shut_down
 from src.loop.evaluation import evaluate
 from src.loop.forward import Forward
+from src.models.hub import fetch_from_hub
 
 log = logging.getLogger("eval")
 
@@ -37,6 +39,7 @@ def main(cfg: DictConfig) -> None:
     use_cpu_threads(accelerator, None)
     keep_freed_memory(accelerator.device)  # each batch's activations reused, not faulted in again
 
+    fetch_from_hub(accelerator, run_cfg.model, run_cfg.data, BUILT_IN_TOKENIZERS)  # at the run's revision
     data = instantiate(OmegaConf.merge(run_cfg.data, cfg.data), _convert_="all")
     objective = instantiate(run_cfg.objective, _convert_="all")
     if (source / "model.safetensors").is_file() and (source / "config.yaml").is_file():

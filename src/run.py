@@ -82,7 +82,9 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     set_seed(cfg.trainer.seed)
 
     # A pretrained model or tokenizer named by a hub id: downloaded once per machine before anyone reads it.
-    fetch_from_hub(accelerator, cfg.model, cfg.data, BUILT_IN_TOKENIZERS)
+    commit = fetch_from_hub(accelerator, cfg.model, cfg.data, BUILT_IN_TOKENIZERS)
+    if commit and "revision" in cfg.model and cfg.model.revision is None:  # the newest: recorded, so that a
+        cfg = with_values(cfg, {"model.revision": commit})  # resume or an evaluation reads the same files
     # The data first: the model config may use sizes only the data knows (${dataset:vocab_size}).
     data = build(cfg.data, group="data")
     fingerprint = data.fingerprint()

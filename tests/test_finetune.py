@@ -193,6 +193,40 @@ def test_a_hub_id_trains_as_its_folder_does_read_from_the_hugging_face_cache(tmp
     assert sampled[0].startswith("To be") and sampled[0] == sampled[1], sampled
 
 
+def test_a_hub_models_commit_is_recorded_and_a_resume_reads_it_after_the_hub_has_moved_on(tmp_path, pretrained):
+    """The run starts from the newest revision, A, and records its commit; then main becomes B, whose tokenizer
+    and positions differ. Reading B, the resume would be refused (other data, a block longer than B's 32
+    positions) and eval.py would score other ids; both read A."""
+    from omegaconf import OmegaConf
+
+    repo_id, a, b = f"tiny-org/{tmp_path.name}", "a" * 40, "b" * 40
+    put_in_hub_cache(pretrained, Path(HF_HOME), repo_id, commit=a)
+    args = ["trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.monitor=null"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    run([*finetune_args(repo_id, whole), *args])
+    assert OmegaConf.load(whole / "config.yaml").model.revision == a
+    kill_when([*finetune_args(repo_id, killed), *args], 1,
+              ready=lambda: (killed / "checkpoints" / "step_00000002").is_dir())
+
+    newer = tmp_path / "newer"
+    newer.mkdir()
+    for file in pretrained.iterdir():
+        (newer / file.name).write_bytes(file.read_bytes())
+    tokenizer = json.loads((newer / "tokenizer.json").read_text())
+    tokenizer["normalizer"] = {"type": "Lowercase"}
+    (newer / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((newer / "config.json").read_text())
+    (newer / "config.json").write_text(json.dumps({**config, "n_positions": 32}))
+    put_in_hub_cache(newer, Path(HF_HOME), repo_id, commit=b)  # main -> B
+
+    run([*finetune_args(repo_id, killed), *args, "resume=auto"])
+    assert scalars(killed, "train/loss") == scalars(whole, "train/loss")
+    # eval.py rebuilds the data from the run's config: its tokenizer at A too, so the run's last evaluation again.
+    run([f"path={whole / 'model'}", "eval_batches=4"], script="eval.py")
+    report = json.loads((whole / "model" / "eval_metrics.json").read_text())
+    assert abs(report["eval/loss"] - scalars(whole, "eval/loss")[6]) < 1e-5
+
+
 @pytest.mark.parametrize("key", ["model.pretrained", "data.tokenizer"])
 def test_a_hub_id_neither_cached_nor_reachable_is_refused_naming_the_key_and_the_download(offline_hub, key):
     from src.models.hub import local_path

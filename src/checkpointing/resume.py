@@ -42,6 +42,8 @@ LAYOUT_ON_RESUME = {"data.batch_size", "trainer.gradient_accumulation_steps"}
 
 # null in a config means "the launcher decides"; a checkpoint records the value that was in effect.
 LAUNCHER_SETTABLE = {"trainer.mixed_precision", "trainer.gradient_accumulation_steps"}
+# null means "the newest": the run records the commit it started from (src/models/hub.py), which a resume keeps.
+DECIDED_BY_THE_RUN = {"model.revision"}
 
 
 def resume_source(resume: Optional[str], run_dir: Path) -> Optional[Path]:
@@ -97,6 +99,8 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
             continue  # derived from the data; the checkpoint's model has the value it was built with
         if (new is None or new == "auto") and leaf in LAUNCHER_SETTABLE:
             continue  # the checkpoint's value stands; launch_settings then checks the launcher against it
+        if new is None and leaf in DECIDED_BY_THE_RUN:
+            continue  # the checkpoint's value stands
         if new == old or not any(_under(leaf, scope) for scope in scopes):
             continue
         if leaf in SAFE_ON_RESUME | LAYOUT_ON_RESUME:

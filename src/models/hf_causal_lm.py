@@ -39,6 +39,9 @@ def causal_lm_from_config(
         "a Hugging Face hub id (gpt2, Qwen/Qwen2.5-0.5B: fetched into the Hugging Face cache) or a from_pretrained "
         "folder (config.json, weights, optionally a tokenizer) to start from, e.g. another run's outputs/RUN/model; "
         "null: random weights from model.config")] = None,
+    revision: Annotated[Optional[str], Arg(
+        "with a hub id: its branch, tag or commit (null: the newest, whose commit the run's config then records, so "
+        "that a resume or an evaluation reads the same files)")] = None,
     dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], Arg(
         "dtype of the weights (null: float32; mixed precision is trainer.mixed_precision, which keeps float32 "
         "master weights)")] = None,
@@ -60,7 +63,7 @@ def causal_lm_from_config(
     if attn_implementation:
         options["attn_implementation"] = attn_implementation
     if pretrained:
-        model = _from_pretrained(AutoModelForCausalLM, pretrained, options)
+        model = _from_pretrained(AutoModelForCausalLM, pretrained, revision, options)
         hf_config = model.config
     else:
         hf_config = _inline_config(AutoConfig, dict(config))
@@ -111,8 +114,8 @@ def _inline_config(AutoConfig, config: dict) -> Any:
     return hf_config
 
 
-def _from_pretrained(AutoModelForCausalLM, pretrained: str, options: dict) -> Any:
-    folder = local_path(pretrained, "model.pretrained")  # a hub id: its snapshot in the Hugging Face cache
+def _from_pretrained(AutoModelForCausalLM, pretrained: str, revision: Optional[str], options: dict) -> Any:
+    folder = local_path(pretrained, "model.pretrained", revision=revision)  # a hub id: its snapshot in the cache
     if not folder.is_dir():
         raise UsageError(f"model.pretrained={pretrained}: no such folder (a from_pretrained folder or a Hugging "
                          f"Face hub id; relative paths are relative to {Path.cwd()})")

@@ -9,6 +9,10 @@ for other frameworks), of a dataset its card and data files. A path that exists 
 the hub cannot be reached (HF_HUB_OFFLINE=1, compute nodes without a network) the cached copy is used as it is,
 so `hf download NAME` on a login node fills the cache for the jobs. Private and gated repositories need `hf auth
 login` first.
+
+A model's revision is pinned: a run records the commit it fetched (model.revision), and every later read of that
+id in the process (the data's tokenizer, which names the same id) takes the same commit, so a resume or an
+evaluation reads the files the run started from even after the hub or the cache has moved on.
 """
 
 import logging
@@ -16,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
 from src.schema.errors import UsageError
 
@@ -30,6 +35,7 @@ TOKENIZER_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken"]
 # files are the subset's (a repository can hold many large subsets: its card's `configs` name their files).
 DATASET_FILES = ["*.parquet", "*.arrow", "*.json", "*.jsonl", "*.csv"]
 CARD = "README.md"
+PINNED: dict[str, str] = {}  # hub id -> the revision this process reads it at (fetch_from_hub, model.revision)
 
 
 def is_hub_id(name: str) -> bool:
@@ -46,17 +52,20 @@ def is_hub_id(name: str) -> bool:
 
 
 def local_path(name: str, key: str, files: list[str] = MODEL_FILES, refresh: bool = False,
-               repo_type: str = "model", quiet: bool = False) -> Path:
+               repo_type: str = "model", quiet: bool = False, revision: Optional[str] = None) -> Path:
     """The local file or folder a config value names: a path as it is, a hub id as its snapshot in the cache,
     downloaded where the cache has none. `refresh` (one process per machine): ask the hub for its newest
-    revision first, and log which one it is."""
+    revision first, and log which one it is. `revision`: that branch, tag or commit (else the one pinned)."""
     if not is_hub_id(name):
         return Path(name).expanduser()
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    revision = revision or PINNED.get(name)
 
     def snapshot(patterns: list[str], **options) -> Path:
-        return Path(snapshot_download(name, repo_type=repo_type, allow_patterns=patterns, **options))
+        return Path(snapshot_download(name, repo_type=repo_type, revision=revision, allow_patterns=patterns,
+                                      **options))
 
     try:
         if not refresh:
@@ -70,6 +79,9 @@ def local_path(name: str, key: str, files: list[str] = MODEL_FILES, refresh: boo
         if not quiet:
             log.info("%s=%s: the Hugging Face hub's revision %s, in %s", key, name, folder.name, folder)
         return folder
+    except RevisionNotFoundError:
+        raise UsageError(f"{key}={name}: the Hugging Face hub has no revision {revision!r} of it (model.revision: a "
+                         "branch, tag or commit of the repository)") from None
     except RepositoryNotFoundError as error:  # a gated repository's error is one too
         raise UsageError(f"{key}={name}: no such local path (relative paths are relative to {Path.cwd()}), and "
                          f"the Hugging Face hub has no {repo_type} of that name that this machine may read ("
@@ -116,10 +128,11 @@ def _as_list(value) -> list:
     return [] if value is None else value if isinstance(value, list) else [value]
 
 
-def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_tokenizers: tuple) -> None:
+def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_tokenizers: tuple) -> Optional[str]:
     """Fetch the hub ids that model.pretrained and data.tokenizer name, once per machine, before any process
-    reads them: the first process of each machine asks the hub for the newest revision, the others then find it
-    in the cache."""
+    reads them: the first process of each machine asks the hub for model.revision (or the newest), the others
+    then find it in the cache. Returns the commit of model.pretrained's snapshot, pinned for the rest of the
+    process (None where it is no hub id)."""
     wanted: dict[str, tuple[list[str], list[str]]] = {}  # hub id -> (the keys naming it, the files they need)
     for key, name, files in (("model.pretrained", model_cfg.get("pretrained"), MODEL_FILES),
                              ("data.tokenizer", data_cfg.get("tokenizer"), TOKENIZER_FILES)):
@@ -127,10 +140,19 @@ def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_token
             keys, _ = wanted.setdefault(name, ([], files))
             keys.append(key)  # a model's id serves its tokenizer too (the data's default): one fetch
     if not wanted:
-        return
+        return None
+    pretrained, revision = model_cfg.get("pretrained"), model_cfg.get("revision")
     with accelerator.local_main_process_first():
         for name, (keys, files) in wanted.items():
-            local_path(name, " and ".join(keys), files, refresh=accelerator.is_local_main_process)
+            folder = local_path(name, " and ".join(keys), files, refresh=accelerator.is_local_main_process,
+                                revision=revision if name == pretrained else None)
+            PINNED[name] = folder.name  # a snapshot's folder is named by its commit
+    if accelerator.num_processes > 1:  # machines fetch at their own moment: all read the commit rank 0 got
+        agreed = broadcast_object_list([dict(PINNED)])[0]
+        for name, (keys, files) in wanted.items():
+            if agreed[name] != PINNED[name]:
+                PINNED[name] = local_path(name, " and ".join(keys), files, revision=agreed[name]).name
+    return PINNED.get(pretrained)
 
 
 def _first_line(error: BaseException) -> str:
