@@ -315,3 +315,42 @@ def test_instruction_tuning_a_pretrained_model_learns_its_answers(tmp_path, pret
          "trainer.max_steps=12", "trainer.eval_on_start=true", "trainer.monitor=null"])
     losses = scalars(run_dir, "eval/loss")
     assert sorted(losses) == [0, 12] and losses[12] < losses[0] - 1.0, losses
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHATS = [{"prompt": [{"role": "system", "content": "Answer as Shakespeare."},
+                     {"role": "user", "content": f"Who speaks in scene {i}?"}],
+          "text": [{"role": "assistant", "content": f"ROMEO, in scene {i}."}]} for i in range(40)]
+
+
+def test_a_conversation_is_rendered_by_the_chat_template_and_trains_on_the_assistants_turn_alone(
+        tmp_path, pretrained):
+    from src.data.hf_dataset import HFDataset
+    from src.data.jsonl import IGNORE_INDEX, JsonlData
+
+    chat_model = tmp_path / "chat_model"  # the pretrained folder, with a chat template in its tokenizer config
+    chat_model.mkdir()
+    for file in pretrained.iterdir():
+        (chat_model / file.name).write_bytes(file.read_bytes())
+    config = json.loads((chat_model / "tokenizer_config.json").read_text())
+    (chat_model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(chat_model)
+    before = tokenizer.apply_chat_template(CHATS[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    whole = tokenizer.apply_chat_template(CHATS[0]["prompt"] + CHATS[0]["text"], tokenize=False)
+    assert before.endswith("<|assistant|>") and whole == before + "ROMEO, in scene 0.\n"
+
+    options = {"block_size": 128, "tokenizer": str(chat_model), "batch_size": 4}
+    data = JsonlData(path=str(write_pairs(tmp_path, CHATS)), prompt_key="prompt", **options)
+    prompt, answer = (tokenizer(text)["input_ids"] for text in (before, whole[len(before):]))
+    assert data.train[0]["input_ids"].tolist() == prompt + answer  # the template ends the turn: no end of text
+    assert data.train[0]["labels"].tolist() == [IGNORE_INDEX] * len(prompt) + answer
+    assert tokenizer.decode(data.train[0]["input_ids"].tolist()) == whole
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(CHATS).to_parquet(str(tmp_path / "chats.parquet"))
+    rows = HFDataset(path=str(tmp_path / "chats.parquet"), prompt_column="prompt", **options)
+    assert rows.train[0]["labels"].tolist() == data.train[0]["labels"].tolist()
+
+    with pytest.raises(UsageError, match=r"data: prompts and completions given as messages need a tokenizer with "
+                                         r"a chat template"):
+        JsonlData(path=str(write_pairs(tmp_path, CHATS)), prompt_key="prompt", block_size=48, batch_size=4)

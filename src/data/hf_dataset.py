@@ -129,7 +129,7 @@ class HFDataset(DataModule):
         # of the mapping, stated rather than left to datasets' hashing of the closure (a tokenizer inside).
         identity = hashlib.blake2b(digest_size=8)
         for part in (documents._fingerprint, text_column, prompt_column, block_size, packing, mask_boundaries,
-                     codec.kind, codec.end_of_text,
+                     codec.kind, codec.end_of_text, codec.chat.source if codec.chat else "",
                      codec.tokenizer.to_str() if codec.tokenizer else ""):
             identity.update(str(part).encode())
 
@@ -137,7 +137,7 @@ class HFDataset(DataModule):
             if prompt_column is None:
                 ids = [codec.encode(text) for text in batch[text_column] if text]
                 return _packed(ids, ids, block_size, mask_boundaries) if packing else {"input_ids": ids}
-            samples = [prompted(codec, prompt or "", text)
+            samples = [prompted(codec, prompt if prompt is not None else "", text)
                        for prompt, text in zip(batch[prompt_column], batch[text_column]) if text]
             ids, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
             return _packed(ids, labels, block_size, mask_boundaries) if packing else {"input_ids": ids,

@@ -10,7 +10,8 @@ id (with `model.pretrained`, that model's tokenizer by default), truncated to
 Labels are aligned with the inputs (Hugging Face's convention): use `objective=causal_lm`, which shifts them.
 With `prompt_key` each line is a prompt and its completion (instruction tuning): the sample is the prompt's
 tokens then the completion's, ended by the tokenizer's end-of-text token where it has one, and only the
-completion is trained on (the prompt's labels are -100: it conditions, it is not learned).
+completion is trained on (the prompt's labels are -100: it conditions, it is not learned). Prompt and completion
+may be conversations (lists of {role, content} messages), which the tokenizer's chat template renders.
 The bundled sample, data/shakespeare_speeches.jsonl, has one speech of tiny Shakespeare per line.
 """
 
@@ -24,6 +25,7 @@ from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
 from src.data.tokenizer import codec_for
+from src.schema.errors import UsageError
 from src.schema.signature import Arg
 
 IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)
@@ -46,13 +48,31 @@ class Documents(Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
-def prompted(codec, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+def prompted(codec, prompt, completion) -> tuple[list[int], list[int]]:
     """A prompt and its completion as one sample's ids and labels: the prompt's labels -100 (it conditions the
     completion and is not trained on), the completion ended by the tokenizer's end-of-text token where it has one,
-    so that the model learns where an answer stops."""
-    prompt_ids = codec.encode(prompt)
-    completion_ids = codec.encode(completion) + ([codec.end_of_text] if codec.end_of_text is not None else [])
+    so that the model learns where an answer stops. Lists of messages ({role, content}, a conversation) are
+    rendered by the tokenizer's chat template instead, whose turns carry their own ends."""
+    end = [codec.end_of_text] if codec.end_of_text is not None else []
+    if isinstance(prompt, list) or isinstance(completion, list):
+        prompt, completion = chat_texts(codec, list(prompt or []), list(completion))
+        end = []
+    prompt_ids, completion_ids = codec.encode(prompt), codec.encode(completion) + end
     return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+
+
+def chat_texts(codec, prompt: list, completion: list) -> tuple[str, str]:
+    """The conversation as the chat template renders it, cut where the completion starts: the prompt's text ends
+    with the template's cue for the assistant's turn (add_generation_prompt), as it will at inference."""
+    if codec.chat is None:
+        raise UsageError("data: prompts and completions given as messages need a tokenizer with a chat template "
+                         "(tokenizer_config.json's chat_template); data.tokenizer names one without")
+    before, whole = codec.chat(prompt, add_generation_prompt=True), codec.chat(prompt + completion)
+    if not whole.startswith(before):
+        raise UsageError("data: the chat template renders the prompt differently alone and followed by its "
+                         f"completion ({before[-40:]!r} is not where {whole[:len(before) + 20]!r} starts), so the "
+                         "completion's tokens cannot be told from the prompt's")
+    return before, whole[len(before):]
 
 
 def warn_untrained(labels: list[list[int]], block_size: int, source: str) -> None:
@@ -110,7 +130,8 @@ class JsonlData(DataModule):
                         raise ValueError(f"{file}:{number}: no {key!r} key ({name}); keys: {sorted(record)}")
                 texts.append(record[text_key])
                 prompts.append(record[prompt_key] if prompt_key else None)
-        self.codec = codec_for(tokenizer, texts + [p for p in prompts if p])  # padding is id 0 (pad_right)
+        # Padding is id 0 (pad_right); a character vocabulary is that of the strings (messages need a tokenizer).
+        self.codec = codec_for(tokenizer, [t for t in texts + prompts if isinstance(t, str)])
         if prompt_key:  # the completion must not be empty; the prompt may be
             samples = [prompted(self.codec, prompt or "", text) for prompt, text in zip(prompts, texts) if text]
             documents, labels = [ids for ids, _ in samples], [labels for _, labels in samples]

@@ -51,9 +51,11 @@ class Codec:
 
     SAVED = "vocabulary.json"
 
-    def __init__(self, kind: str, chars: str = "", tokenizer: Any = None, end_of_text: Optional[int] = None):
+    def __init__(self, kind: str, chars: str = "", tokenizer: Any = None, end_of_text: Optional[int] = None,
+                 chat: Optional["ChatTemplate"] = None):
         self.kind, self.chars, self.tokenizer = kind, chars, tokenizer
         self.end_of_text = end_of_text  # the id that ends a completion (prompted data), where the tokenizer has one
+        self.chat = chat  # renders messages as text, where the tokenizer has a chat template
         self._index = {ch: i for i, ch in enumerate(chars)}
 
     @property
@@ -115,7 +117,32 @@ def codec_for(name: Optional[str], texts: Optional[list[str]] = None, key: str =
         return Codec("char", "".join(sorted(set("".join(texts)))))
     file = tokenizer_file(name, key)
     tokenizer = load_tokenizer(str(file), key)
-    return Codec("tokenizer", tokenizer=tokenizer, end_of_text=end_of_text_id(file, tokenizer))
+    return Codec("tokenizer", tokenizer=tokenizer, end_of_text=end_of_text_id(file, tokenizer),
+                 chat=ChatTemplate.of(file.parent))
+
+
+class ChatTemplate:
+    """A tokenizer folder's chat template (tokenizer_config.json's chat_template, or chat_template.jinja), applied by
+    transformers' own apply_chat_template: messages [{role, content}, ...] as the text the model was tuned on."""
+
+    def __init__(self, folder: Path, source: str):
+        self.folder, self.source, self._tokenizer = folder, source, None
+
+    @classmethod
+    def of(cls, folder: Path) -> Optional["ChatTemplate"]:
+        config = folder / "tokenizer_config.json"
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(folder, json.dumps(template)) if template else None
+
+    def __call__(self, messages: list, add_generation_prompt: bool = False) -> str:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        return self._tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
 
 
 def end_of_text_id(file: Path, tokenizer: Any) -> Optional[int]:
