@@ -464,7 +464,7 @@ def checkpoint(args) -> dict:
     from accelerate import Accelerator
 
     from src.checkpointing.layout import step_dir_name
-    from src.checkpointing.save import Checkpointer
+    from src.checkpointing.checkpointer import Checkpointer
     from src.loop.train_state import TrainState
     from src.optim.optimizers import build_optimizer
     from src.schema.build import build
@@ -481,7 +481,7 @@ def checkpoint(args) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     times = {"template": [], "raw": []}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        checkpointer = Checkpointer(accelerator, Path(tmp), cfg, export=None, data_fingerprint=data.fingerprint())
+        checkpointer = Checkpointer(accelerator, Path(tmp), cfg, model, data_fingerprint=data.fingerprint())
         first = checkpointer.save(TrainState(step=0))  # a warm-up, and the bytes the raw side writes
         files = {f.relative_to(first): f.read_bytes() for f in first.rglob("*") if f.is_file()}
 

@@ -19,8 +19,9 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
+from src.checkpointing.checkpointer import resume_point
 from src.checkpointing.load import load_initial_weights
-from src.checkpointing.resume import check_same_data, config_for_resume, resume_source
+from src.checkpointing.resume import check_same_data
 from src.data.base import DataModule
 from src.data.tokenizer import BUILT_IN_TOKENIZERS
 from src.faults.run_dir_lock import acquire_run_dir
@@ -71,9 +72,7 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     if launched_rank() == 0:  # one live run per run dir: before anything of it is read or written
         requeued = int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0  # may wait for its previous instance
         acquire_run_dir(run_dir, cfg.trainer.run_dir_lease_s, requeued)
-    checkpoint = resume_source(cfg.resume, run_dir)  # refuses to write into another run's directory
-    if checkpoint:
-        cfg = config_for_resume(cfg, checkpoint, overrides)
+    checkpoint, cfg = resume_point(cfg, run_dir, overrides)  # the checkpoint's config, with the safe overrides
     launch = launch_settings(cfg.trainer)  # precision and accumulation: from the config or the launcher
     cfg = with_values(cfg, {"trainer.mixed_precision": launch.mixed_precision.value,  # recorded as in effect
                             "trainer.gradient_accumulation_steps": launch.gradient_accumulation_steps.value})

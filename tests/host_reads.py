@@ -64,7 +64,7 @@ def step_ended(self, counted_targets):
         json.dump({step: READS.get(step, []) for step in range(2, STEP["current"] + 1)}, f)
 
 
-src.loop.accumulation.global_target_count = step_started  # train.py imports it by name, after this
+src.loop.accumulation.global_target_count = step_started  # src/loop/step.py imports it by name, after this
 Telemetry.step_finished = step_ended
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path("train.py", run_name="__main__")

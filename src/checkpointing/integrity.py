@@ -1,8 +1,15 @@
 """A checkpoint is checked whole before anything of it is loaded: every file present, none truncated."""
 
+import dataclasses
+import enum
+import importlib
+import io
 import json
+import pickle
 import zipfile
 from pathlib import Path
+
+import torch
 
 from safetensors import safe_open
 
@@ -40,6 +47,9 @@ def check_readable(checkpoint: Path) -> None:
                         raise ValueError("CRC mismatch")
             elif file.suffix == ".json":
                 json.loads(file.read_text())
+        except pickle.UnpicklingError as error:
+            raise UsageError(f"checkpoint file {file}: {error}; nothing of it was executed. Resume only from "
+                             "checkpoints this template wrote") from None
         except Exception as error:
             raise UsageError(f"checkpoint file {file} is corrupt or truncated ({error}); "
                              f"resume from an older checkpoint with resume=PATH") from error
@@ -51,6 +61,7 @@ def _check_sharded_state(directory: Path) -> None:
 
     if not (directory / ".metadata").is_file():
         raise ValueError(f"{directory / '.metadata'} is missing")
+    _MetadataOnly(io.BytesIO((directory / ".metadata").read_bytes())).load()  # before torch unpickles it
     needed: dict[str, int] = {}
     for info in FileSystemReader(str(directory)).read_metadata().storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -59,3 +70,25 @@ def _check_sharded_state(directory: Path) -> None:
         actual = shard.stat().st_size if shard.is_file() else None
         if actual is None or actual < size:
             raise ValueError(f"shard {shard} holds {actual or 0} bytes, the metadata lists {size}")
+
+
+class _MetadataOnly(pickle.Unpickler):
+    """torch.distributed.checkpoint reads its `.metadata` with a plain pickle.load: a planted one would run code
+    on every rank at resume. Read first with this, it may build nothing but the metadata's own dataclasses and
+    enums, torch's dtypes, sizes and layouts, and paths; anything else is refused (Python's "Restricting
+    Globals" recipe)."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+               "torch.distributed.checkpoint.planner")
+
+    def find_class(self, module: str, name: str):
+        if module in self.MODULES:
+            found = getattr(importlib.import_module(module), name, None)  # torch's own modules, no others
+            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        elif (module, name) in (("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                                ("pathlib", "WindowsPath"), ("collections", "OrderedDict")):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused: the metadata names {module}.{name}, which could run code")

@@ -3,7 +3,9 @@
 Layout of a run directory:
     checkpoints/step_00000500/    complete checkpoints only (written elsewhere, then renamed into place)
         model.safetensors, optimizer.bin, scheduler.bin, [scaler.pt], random_states_<rank>.pkl
-                                  (accelerate.save_state; every rank writes its own RNG state)
+                                  (accelerate.save_state; every rank writes its own RNG state; the torch
+                                  files are only read with torch.load(weights_only=True))
+        ema.safetensors           trainer.ema_decay: the average of the weights (ours, no pickle)
         train_state.json          step, epoch, position in the epoch, best metric (ours: JSON, no pickle)
         run_config.yaml           the resolved config the run was started with
         data.json                 the data's fingerprint: a resume on other data is refused
@@ -24,6 +26,7 @@ STATE_FILE = "train_state.json"
 
 CONFIG_FILE = "run_config.yaml"
 DATA_FILE = "data.json"  # the fingerprint of the data trained on (DataModule.fingerprint)
+EMA_FILE = "ema.safetensors"  # trainer.ema_decay's AveragedModel
 
 
 RUN_CONFIG = "config.yaml"  # what train.py writes at the top of the run dir

@@ -3,6 +3,7 @@
 import contextlib
 import json
 import logging
+import pickle
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_model
 
 from src.checkpointing.integrity import check_readable
-from src.checkpointing.layout import DATA_FILE, STATE_FILE
+from src.checkpointing.layout import DATA_FILE, EMA_FILE, STATE_FILE
 from src.data.tokenizer import Codec
 from src.loop.train_state import TrainState
 from src.schema.errors import UsageError
@@ -22,9 +23,9 @@ from src.schema.errors import UsageError
 log = logging.getLogger(__name__)
 
 
-def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainState, seed: int,
+def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainState, seed: int, ema=None,
                     restart_epoch: bool = False) -> None:
-    """Restore model, optimizer, scheduler, scaler, RNG states and counters (after accelerator.prepare).
+    """Restore model, optimizer, scheduler, scaler, the EMA, RNG states and counters (after accelerator.prepare).
 
     `state` holds this launch's layout; the checkpoint may have been written by another one of the same
     global batch (src/loop/accumulation.py: every step then sees the same samples). `restart_epoch`: the data
@@ -37,8 +38,19 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
     if same_layout and not rng_file.is_file():
         raise UsageError(f"{rng_file} is missing: the random state of rank {accelerator.process_index} cannot be "
                          "restored, so resuming would not be exact")
-    with model_must_fit(f"checkpoint {checkpoint}"):
-        accelerator.load_state(str(checkpoint))  # loads with torch.load(weights_only=True)
+    start_anew = f"start a new run from its weights with trainer.init_weights={checkpoint}"
+    for pickled in sorted(checkpoint.glob("custom_checkpoint_*.pkl")):
+        raise UsageError(f"{pickled} is an object pickled by accelerate's register_for_checkpointing (an earlier "
+                         "version of this template kept trainer.ema_decay's average there): it is never loaded, "
+                         f"since unpickling it could run code. Resume from another checkpoint, or {start_anew}")
+    if ema is not None and not (checkpoint / EMA_FILE).is_file():
+        raise UsageError(f"{checkpoint / EMA_FILE} is missing: trainer.ema_decay's average cannot be restored. "
+                         f"Resume from another checkpoint, or {start_anew}")
+    with model_must_fit(f"checkpoint {checkpoint}"), refused_pickles_named(checkpoint):
+        accelerator.load_state(str(checkpoint))  # every torch file with torch.load(weights_only=True)
+    if ema is not None:  # written by rank 0, read by every rank: each keeps the same average
+        with model_must_fit(f"checkpoint {checkpoint}"):
+            load_model(ema, checkpoint / EMA_FILE, strict=True, device=str(accelerator.device))
     if same_layout:
         # accelerate only logs "Could not load random states" at INFO when RNG restore fails: verify it.
         if not torch.equal(torch.get_rng_state(), safe_load(rng_file)["torch_manual_seed"]):
@@ -87,6 +99,25 @@ def _check_layout(saved: dict, state: TrainState, checkpoint: Path) -> bool:
         "augmentation from the global RNG) continues statistically, not bitwise, the same.",
         written.layout(), state.layout())
     return False
+
+
+@contextlib.contextmanager
+def refused_pickles_named(checkpoint: Path):
+    """torch's weights-only loader refuses a pickle that would build anything but tensors and plain values
+    (code included); its error does not say which file. This one does, and nothing of it is executed."""
+    try:
+        yield
+    except pickle.UnpicklingError as error:
+        for file in sorted(checkpoint.rglob("*")):
+            if file.suffix in (".bin", ".pkl", ".pt"):
+                try:
+                    safe_load(file, map_location="cpu")  # as accelerate loads it: weights only
+                except pickle.UnpicklingError:
+                    raise UsageError(f"checkpoint file {file} holds a pickle that would build objects other than "
+                                     "tensors and plain values (it could run code): refused, nothing of it was "
+                                     "executed. Resume only from checkpoints this template wrote.") from None
+        raise UsageError(f"checkpoint {checkpoint}: a file was refused by torch's weights-only loader "
+                         f"({str(error).splitlines()[0]})") from None
 
 
 RESUME_REMEDY = ("The model's code has changed since the checkpoint was written: resume with the code that wrote it "

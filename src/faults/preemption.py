@@ -14,7 +14,7 @@ script can tell "saved, start me again" from success and failure.
 
 Ctrl-C (SIGINT) stops the same way, without a requeue, and exits with 130 as an interrupted program does; a
 second Ctrl-C ends the process at once, without a traceback. Nothing partial is ever resumed from: a save in
-progress is written aside and only renamed into place when complete (src/checkpointing/save.py).
+progress is written aside and only renamed into place when complete (src/checkpointing/checkpointer.py).
 """
 
 import logging
@@ -29,6 +29,7 @@ from accelerate import Accelerator
 
 from src.faults.run_dir_lock import release_run_dirs
 from src.launch.settings import launched_rank
+from src.launch.shutdown import shut_down
 
 log = logging.getLogger(__name__)
 
@@ -104,3 +105,12 @@ def requeue_slurm_job(accelerator: Accelerator, preemption: PreemptionWatch) -> 
         return False
     log.info("requeued SLURM job %s; it will resume from the checkpoint just saved", job_id)
     return True
+
+
+def stop_preempted(accelerator: Accelerator, preemption: PreemptionWatch, run_dir) -> None:
+    """After the stop's checkpoint: requeue the SLURM job (or say how to continue), close down, and exit with
+    the code that tells a wrapper "saved, start me again" (or 130 after Ctrl-C)."""
+    if not requeue_slurm_job(accelerator, preemption) and accelerator.is_main_process:
+        log.warning("to continue: the same command with resume=auto hydra.run.dir=%s", run_dir)
+    shut_down(accelerator)
+    sys.exit(preemption.exit_code())

@@ -2,8 +2,9 @@
 
 torch's own AveragedModel keeps it (one fused lerp over all tensors per optimizer step, buffers included,
 so BatchNorm statistics are averaged too). Every rank keeps the same copy, because evaluation is sharded
-over ranks. accelerate checkpoints it with the rest of the state (register_for_checkpointing), so a
-resumed run continues the same average bitwise.
+over ranks. The checkpointer saves it as safetensors beside accelerate's state (not accelerate's
+register_for_checkpointing, which pickles it and unpickles with weights_only=False), so a resumed run
+continues the same average bitwise.
 """
 
 from typing import Optional
@@ -17,7 +18,7 @@ from src.schema.errors import UsageError
 
 
 def build_ema(accelerator: Accelerator, model: torch.nn.Module, decay: Optional[float]) -> Optional[AveragedModel]:
-    """Call after accelerator.prepare and before load_state (which restores it)."""
+    """Call after accelerator.prepare and before the checkpointer loads (which restores it)."""
     if decay is None:
         return None
     if accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED):
@@ -25,5 +26,4 @@ def build_ema(accelerator: Accelerator, model: torch.nn.Module, decay: Optional[
                          "shards them. Use DDP (config/accelerate/multi_gpu.yaml) or trainer.ema_decay=null.")
     ema = AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
     ema.requires_grad_(False)
-    accelerator.register_for_checkpointing(ema)
     return ema

@@ -49,3 +49,29 @@ def evaluate_run(model: torch.nn.Module, ema, loader, accelerator: Accelerator, 
     accelerator.log(metrics, step=step)
     log.info("step %d: %s", step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     return metrics
+
+
+class Evaluation:
+    """The run's evaluations: at every trainer.eval_every-th step and the last, and with trainer.eval_on_start
+    one before the first step (logged at step 0: where the curves start, a pretrained model's baseline). Their
+    time is not step time (telemetry's "evaluation" phase)."""
+
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, ema, loader, forward: Forward, trainer,
+                 telemetry):
+        self.accelerator, self.model, self.ema, self.loader, self.forward = accelerator, model, ema, loader, forward
+        self.every, self.max_steps, self.on_start_too = trainer.eval_every, trainer.max_steps, trainer.eval_on_start
+        self.telemetry = telemetry
+        self.last: dict[str, float] = {}  # the newest evaluation's metrics (the run's summary)
+
+    def due(self, step: int) -> bool:
+        return step >= self.max_steps or bool(self.every and step % self.every == 0)
+
+    def before_training(self, step: int) -> None:
+        """trainer.eval_on_start's evaluation, on a fresh run only."""
+        if self.on_start_too and step == 0:
+            self(0)
+
+    def __call__(self, step: int) -> dict[str, float]:
+        with self.telemetry.phase("evaluation"):
+            self.last = evaluate_run(self.model, self.ema, self.loader, self.accelerator, self.forward, step)
+        return self.last

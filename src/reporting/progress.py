@@ -18,10 +18,12 @@ class Progress:
         self.enabled, self.interval_s = enabled, interval_s
         self.bar = tqdm(total=total, initial=initial) if enabled and sys.stderr.isatty() else None
         self.started = self.last_line = time.monotonic()
-        self.loss: Optional[float] = None
+        self.loss: Optional[float] = None  # the last logged
         self.tokens_per_second: Optional[float] = None
 
-    def update(self, step: int, loss: Optional[float] = None, tokens_per_second: Optional[float] = None) -> None:
+    def update(self, step: int, logged: dict[str, float]) -> None:
+        """`logged`: the step's logged scalars ({} for a step that logs nothing)."""
+        loss, tokens_per_second = logged.get("train/loss"), logged.get("train/tokens_per_second")
         self.step = step
         self.loss = loss if loss is not None else self.loss
         self.tokens_per_second = tokens_per_second if tokens_per_second is not None else self.tokens_per_second

@@ -1,4 +1,16 @@
-"""Saving checkpoints atomically (written aside, fsynced, renamed into place) and rotating old ones."""
+"""The one owner of a run's checkpoints: which one it resumes, loading it, every save, the best model and
+the exports (torchtitan's CheckpointManager, at template scale).
+
+train.py calls `load(state)` once after `accelerator.prepare`, `step_finished(...)` after every optimizer step,
+and `export_final()` at the end; the checkpointer decides the rest. The config's part of resuming (which
+checkpoint, and its saved config with the safe overrides) is decided before the model exists, in
+`resume_point`, which src/run.py calls.
+
+A save is atomic: accelerate's `save_state` writes into `checkpoints/.tmp-step_N`, our own state is added as
+JSON and safetensors (nothing of ours is pickled), every file is fsynced, and the folder is renamed into
+place, so a kill at any moment leaves the newest complete checkpoint as the one to resume from
+(src/checkpointing/layout.py).
+"""
 
 import json
 import logging
@@ -6,38 +18,71 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import save_model
 
-from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, STATE_FILE, complete_checkpoints, step_dir_name
+from src.checkpointing.export import export_model
+from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, EMA_FILE, STATE_FILE, complete_checkpoints, step_dir_name
+from src.checkpointing.load import load_checkpoint, seed_this_ranks_stream
+from src.checkpointing.resume import config_for_resume, resume_source
 from src.loop.train_state import TrainState, improves
 from src.schema.errors import UsageError
 
 log = logging.getLogger(__name__)
 
 
-class Checkpointer:
-    """Owns the checkpoint lifecycle: the loop reports what happened after each optimizer step, and this
-    decides what to save. Atomic, rotated `accelerator.save_state` checkpoints: periodic ones, the best one
-    by `trainer.monitor` (kept apart from rotation, with its model exported), one when a stop is agreed
-    (preemption), and the final one."""
+def resume_point(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> tuple[Optional[Path], DictConfig]:
+    """The checkpoint a run continues from (None: a fresh start) and the config it continues with: the
+    checkpoint's own, plus the command line's overrides that are safe on a resume (src/checkpointing/resume.py)."""
+    checkpoint = resume_source(cfg.resume, run_dir)  # refuses to write into another run's directory
+    return (checkpoint, config_for_resume(cfg, checkpoint, overrides)) if checkpoint else (None, cfg)
 
-    def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig, export: Callable[[Path], None],
-                 data_fingerprint: dict):
-        self.accelerator = accelerator
+
+class Checkpointer:
+    """Periodic checkpoints (trainer.checkpoint_every, rotated to trainer.keep_last_checkpoints), the best one
+    by trainer.monitor (kept apart from rotation, its model exported to model_best/), one when a stop is agreed
+    (preemption, early stopping) and the final one; the exports model/ and model_ema/ at the end."""
+
+    def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig, model: Optional[torch.nn.Module],
+                 ema=None, codec=None, data_fingerprint: Optional[dict] = None, resume_from: Optional[Path] = None,
+                 data_changed: bool = False):
+        self.accelerator, self.cfg = accelerator, cfg
         self.run_dir, self.root = run_dir, run_dir / "checkpoints"
-        self.cfg, self.data_fingerprint = cfg, data_fingerprint
-        self.export = export  # writes the current model to a directory (all ranks call it)
+        self.model, self.ema, self.codec = model, ema, codec
+        self.data_fingerprint = data_fingerprint or {}
+        self.resume_from, self.data_changed = resume_from, data_changed
         trainer = cfg.trainer
-        self.keep_last, self.every, self.max_steps = trainer.keep_last_checkpoints, trainer.checkpoint_every, trainer.max_steps
-        self.monitor, self.mode = trainer.monitor, trainer.monitor_mode
+        self.keep_last, self.every, self.max_steps = (trainer.keep_last_checkpoints, trainer.checkpoint_every,
+                                                      trainer.max_steps)
+        self.monitor, self.mode, self.seed = trainer.monitor, trainer.monitor_mode, trainer.seed
+
+    @classmethod
+    def for_run(cls, run, model: torch.nn.Module, ema) -> "Checkpointer":
+        """`run`: src/run.py's Run; `model` and `ema` as prepared."""
+        return cls(run.accelerator, run.run_dir, run.cfg, model, ema, run.data.codec, run.data_fingerprint,
+                   run.checkpoint, run.data_changed)
+
+    # ---------------------------------------------------------------------------------------------- loading
+
+    def load(self, state: TrainState) -> None:
+        """A resume restores weights, optimizer, schedule, scaler, the EMA, every rank's random streams and the
+        data position into `state`; a fresh run seeds each rank's own stream. Every rank calls it."""
+        if self.resume_from is None:  # the model was initialised alike on every rank; from here each draws its own
+            seed_this_ranks_stream(self.seed, state.step, self.accelerator.process_index)
+            return
+        load_checkpoint(self.accelerator, self.resume_from, state, self.seed, self.ema,
+                        restart_epoch=self.data_changed)
+
+    # ----------------------------------------------------------------------------------------------- saving
 
     def step_finished(self, state: TrainState, metrics: Optional[dict[str, float]] = None,
                       stopping: bool = False) -> None:
-        """Every rank calls this after every optimizer step, with the step's evaluation metrics if any."""
+        """Every rank calls this after every optimizer step, with the step's evaluation metrics if any, and
+        whether the run stops after this step."""
         if metrics is not None and self._improved(metrics, state):
             # The export first: a kill between the two then resumes from an earlier checkpoint, whose best is
             # older, so this step improves again and exports again. The other way round, a checkpoint that
@@ -51,6 +96,18 @@ class Checkpointer:
         """Whether step `step` saves whatever happens (periodic, final); besides, an evaluation may save the
         best, and an agreed stop saves."""
         return bool(self.every and step % self.every == 0) or step >= self.max_steps
+
+    def export_final(self) -> None:
+        """The trained model (and its EMA) as plain files: RUN/model, RUN/model_ema. Every rank calls it."""
+        self.export(self.run_dir / "model")
+        log.info("exported the final model to %s", self.run_dir / "model")
+        if self.ema is not None:
+            self.export(self.run_dir / "model_ema", self.ema.module)
+            log.info("exported the EMA of the weights to %s", self.run_dir / "model_ema")
+
+    def export(self, directory: Path, module: Optional[torch.nn.Module] = None) -> None:
+        export_model(self.accelerator, module if module is not None else self.model, self.cfg.model, directory,
+                     self.codec)
 
     def _improved(self, metrics: dict[str, float], state: TrainState) -> bool:
         """Whether `metrics` beat the best monitored value so far; if so, `state` records it."""
@@ -78,9 +135,7 @@ class Checkpointer:
         try:
             accelerator.save_state(str(tmp))
             if accelerator.is_main_process:
-                (tmp / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=2))
-                OmegaConf.save(self.cfg, tmp / CONFIG_FILE, resolve=True)
-                (tmp / DATA_FILE).write_text(json.dumps(self.data_fingerprint, indent=2))
+                self._save_our_state(tmp, state)
         except Exception as error:  # a full or unwritable disk shows as OSError, RuntimeError or a library's own
             failure = error
         self._stop_if_any_rank_failed(failure, tmp)
@@ -93,6 +148,15 @@ class Checkpointer:
             self._rotate(state)
         accelerator.wait_for_everyone()
         return final
+
+    def _save_our_state(self, directory: Path, state: TrainState) -> None:
+        """What accelerate's save_state does not hold, as JSON and safetensors: accelerate would pickle a
+        registered object (custom_checkpoint_N.pkl) and unpickle it on load with weights_only=False."""
+        (directory / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=2))
+        OmegaConf.save(self.cfg, directory / CONFIG_FILE, resolve=True)
+        (directory / DATA_FILE).write_text(json.dumps(self.data_fingerprint, indent=2))
+        if self.ema is not None:  # its tied weights stored once, as for the model
+            save_model(self.ema, str(directory / EMA_FILE), metadata={"format": "pt"})
 
     def _stop_if_any_rank_failed(self, failure: Optional[Exception], tmp: Path) -> None:
         """All ranks learn whether any rank's save failed, so none waits at a barrier; the partial save is

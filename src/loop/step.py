@@ -1,0 +1,79 @@
+"""One optimizer step: the forward and backward passes of a window of micro-batches, clipping, the update.
+
+The loss of the step is normalised by the targets of the whole global batch (src/loop/accumulation.py), so
+the weights are the same however the global batch is split into processes and micro-batches. A step whose
+loss or gradient is not finite is skipped or stops the run, decided on the device (src/faults/nonfinite.py):
+the host waits for nothing here, only in `settle`, which the loop calls where it must know.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+from omegaconf import DictConfig
+
+from src.faults.nonfinite import NonFiniteGuard, plain
+from src.loop.accumulation import global_target_count, loss_for_backward
+from src.loop.batches import split_batch
+from src.loop.forward import Forward
+from src.objectives.base import Objective
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # this rank's summed loss over its counted targets (on the device)
+    targets: torch.Tensor  # the global batch's count of targets, the same on every rank (on the device)
+    grad_norm: torch.Tensor  # before clipping
+    applied: bool  # False where the host already knows the step was skipped (trainer.nonfinite=skip)
+
+
+class TrainStep:
+    def __init__(self, accelerator: Accelerator, model, optimizer, scheduler, ema, objective: Objective,
+                 trainer: DictConfig, run_dir):
+        self.accelerator, self.model, self.optimizer, self.scheduler, self.ema = (
+            accelerator, model, optimizer, scheduler, ema)
+        self.objective = objective
+        self.forward = Forward(objective, trainer.compile, trainer.compile_mode)  # with trainer.compile, one graph
+        self.guard = NonFiniteGuard(accelerator, optimizer, scheduler, ema, trainer.nonfinite,
+                                    trainer.max_consecutive_skips, run_dir)
+        self.max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
+
+    def __call__(self, window: list, step: int) -> StepResult:
+        """Optimizer step `step` + 1 over `window`, a list of gradient_accumulation_steps micro-batches."""
+        accelerator, model, optimizer = self.accelerator, self.model, self.optimizer
+        window = [split_batch(batch, self.objective.target_key) for batch in window]  # (inputs, targets) pairs
+        targets = global_target_count(accelerator, self.objective, [t for _, t in window])
+        loss_sum, applied = 0.0, True
+        for inputs, micro_targets in window:
+            if step == 0:
+                self.objective.check_batch(inputs, micro_targets)
+            with accelerator.accumulate(model):
+                micro_loss = self.forward.loss_sum(model, inputs, micro_targets)
+                accelerator.backward(loss_for_backward(accelerator, micro_loss, targets))
+                loss_sum += micro_loss.detach()
+                if accelerator.sync_gradients:
+                    grad_norm = plain(accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm))
+                    applied = self.guard.step_is_finite(step + 1, loss_sum, grad_norm)
+                if applied:
+                    optimizer.step()  # a no-op until the accumulation window is complete
+                optimizer.zero_grad(set_to_none=True)
+        if applied and not accelerator.optimizer_step_was_skipped:  # nor by fp16's GradScaler
+            self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update_parameters(accelerator.unwrap_model(model))
+        return StepResult(loss_sum, targets, grad_norm, applied)
+
+    def settle(self) -> None:
+        """The host learns what the device decided since the last settle: stops at a non-finite step before
+        anything of it is logged or saved, and counts skipped steps. Every rank calls it at the same steps."""
+        self.guard.settle()
+
+    def scalars(self, result: StepResult) -> dict[str, float]:
+        """What a logging step reports of the step (every rank calls it: the loss is reduced over ranks)."""
+        loss = self.accelerator.reduce(result.loss_sum, "sum") / result.targets.clamp(min=1)
+        scalars = {"train/loss": loss.item(), "train/lr": self.scheduler.get_last_lr()[0],
+                   "train/grad_norm": result.grad_norm.item(), "train/skipped_steps": self.guard.skipped}
+        if self.accelerator.scaler is not None:  # fp16: a falling scale marks the steps the GradScaler skipped
+            scalars["train/loss_scale"] = self.accelerator.scaler.get_scale()
+        return scalars
