@@ -1,7 +1,6 @@
 """scripts/benchmark.py stays runnable: its figures are measured rarely (the GPU ones only when a GPU is lent),
 so a change that breaks it must show here first, not on the day of the measurement."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,14 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from scripts.benchmarks.common import compose_config, in_turn
+from scripts.benchmarks.parity import with_cpu_per_step
 from tests.conftest import ROOT, run
-
-
-def benchmark_module():
-    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
-    return benchmark
 
 
 def benchmark_report(args: list[str]) -> dict:
@@ -32,7 +26,7 @@ def test_in_turn_puts_each_side_first_in_every_other_pair():
     always meet the machine as the previous pair left it (they said they alternated, and did not)."""
     order = []
     for repeat in range(4):
-        benchmark_module().in_turn(repeat, lambda: order.append("template"), lambda: order.append("reference"))
+        in_turn(repeat, lambda: order.append("template"), lambda: order.append("reference"))
     assert [order[i] for i in range(0, 8, 2)] == ["template", "reference", "template", "reference"]
     assert sorted(order) == ["reference"] * 4 + ["template"] * 4
 
@@ -45,14 +39,14 @@ def test_cpu_time_per_step_leaves_out_start_up():
         subprocess.run([sys.executable, "-c", burn], check=True)
         return {}
 
-    result = benchmark_module().with_cpu_per_step(SimpleNamespace(cpu_time=True), side, 100, 20, None, None)
+    result = with_cpu_per_step(SimpleNamespace(cpu_time=True), side, 100, 20, None, None)
     assert result["cpu_ms_per_step"] == pytest.approx(4, rel=0.25), result
 
 
 @pytest.mark.parametrize("overrides", [[], ["experiment=nanogpt_shakespeare_char"],
                                        ["experiment=owt_tokens", "data.path=train.bin", "data.vocab_size=50304"]])
 def test_the_benchmarks_compose_the_configs_they_run(overrides):
-    cfg = benchmark_module().compose_config(overrides)
+    cfg = compose_config(overrides)
     assert cfg.model._target_ and cfg.trainer.max_steps > 0
 
 
