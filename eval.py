@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-import src.schema.hydra_hooks  # noqa: F401  (registers the resolvers a run's config may use)
+import src.launch.hydra_hooks  # noqa: F401  (registers the resolvers a run's config may use)
 from src.checkpointing.export import load_exported_model
 from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
 from src.data.tokenizer import BUILT_IN_TOKENIZERS

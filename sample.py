@@ -19,10 +19,10 @@ from omegaconf import OmegaConf
 
 from src.checkpointing.export import load_exported_model
 from src.data.tokenizer import Codec
+from src.errors import UsageError
 from src.loop.sampling import sample_texts
 from src.models.hf_causal_lm import positions_of
 from src.models.hub import local_path
-from src.schema.errors import UsageError
 
 
 def block_size_of(model: torch.nn.Module, folder: Path) -> int:

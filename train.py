@@ -19,14 +19,15 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import src.schema.hydra_hooks  # noqa: F401  (registers the base config and the run-dir timestamp with Hydra)
+import src.launch.hydra_hooks  # noqa: F401  (registers the base config and the run-dir timestamp with Hydra)
 from src.checkpointing.checkpointer import Checkpointer
+from src.errors import told_to_the_launcher
 from src.faults.distributed_errors import lost_ranks_in_our_words
 from src.faults.hang_watch import HangWatch
-from src.faults.preemption import PreemptionWatch, stop_preempted
+from src.faults.preemption import PreemptionWatch
 from src.launch.banner import describe_launch
 from src.launch.checks import check_replicas_in_sync
-from src.launch.shutdown import outlive_main, run_then_release, shut_down
+from src.launch.shutdown import outlive_main, run_then_release, shut_down, stop_preempted
 from src.launch.slurm_sweep import in_submitit_slurm_job, launch_this_node
 from src.loop.accumulation import accumulation_windows
 from src.loop.ema import build_ema
@@ -40,7 +41,6 @@ from src.reporting.run_log import start_run_log, stop_run_log
 from src.reporting.telemetry import Telemetry, process_start_time
 from src.run import build_run
 from src.schema.build import build
-from src.schema.errors import told_to_the_launcher
 
 log = logging.getLogger("train")
 
@@ -51,7 +51,8 @@ def main(cfg: DictConfig) -> float | None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if in_submitit_slurm_job():  # hydra/launcher=submitit_slurm: this node starts its training processes
         return launch_this_node(run_dir)
-    with told_to_the_launcher(), lost_ranks_in_our_words(cfg.trainer.get("dist_timeout_s")):
+    with told_to_the_launcher(), lost_ranks_in_our_words(cfg.trainer.get("dist_timeout_s"),
+                                                         cfg.trainer.get("hang_report_s")):
         return train(cfg, run_dir)
 
 

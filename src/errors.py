@@ -1,5 +1,6 @@
-"""The errors that mean "your input is wrong": printed as a message alone, exit status 1; under a multi-process
-launcher, also the root cause in its closing table of failed ranks."""
+"""Every error of ours, in one place. Each means "something the user can change is wrong" (input, launch,
+the run's numbers, a lost rank): printed as its message alone, exit status 1; under a multi-process launcher,
+also the root cause in its closing table of failed ranks. A leaf: it imports nothing of ours."""
 
 import contextlib
 import json
@@ -20,6 +21,23 @@ class ConfigError(UsageError):
     def __init__(self, problems: list[str]):
         super().__init__("Invalid configuration:\n  " + "\n  ".join(problems))
         self.problems = problems
+
+
+class LaunchError(UsageError):
+    """A launch that cannot work: process counts, GPUs per node, ports, run dirs that differ between ranks."""
+
+
+class RunDirInUse(UsageError):
+    """Another live run holds the run directory (src/faults/run_dir_lock.py)."""
+
+
+class NonFiniteStep(UsageError):
+    """A non-finite loss or gradient stopped the run (src/faults/nonfinite.py): the cause is the run's numbers,
+    and the message says what to do."""
+
+
+class DistributedFailure(CompactHydraException):
+    """The run ended because another rank did: printed as its message alone (Hydra), exit status 1."""
 
 
 @contextlib.contextmanager

@@ -24,9 +24,11 @@ from src.checkpointing.load import load_initial_weights
 from src.checkpointing.resume import check_same_data
 from src.data.base import DataModule
 from src.data.tokenizer import BUILT_IN_TOKENIZERS
+from src.errors import UsageError
 from src.faults.run_dir_lock import acquire_run_dir
 from src.launch.accelerator import build_accelerator
-from src.launch.settings import LaunchSettings, Setting, launch_settings, launched_rank
+from src.launch.settings import LaunchSettings, Setting, launch_settings
+from src.launcher import launched_rank
 from src.loop.accumulation import fit_run_to_data
 from src.loop.auto_batch import find_micro_batch
 from src.loop.sync_batchnorm import sync_batchnorm
@@ -37,7 +39,6 @@ from src.reporting.log_filters import hide_tied_weight_notices
 from src.schema.build import build
 from src.schema.complete import complete_config
 from src.schema.data_sizes import resolve_data_sizes
-from src.schema.errors import UsageError
 
 log = logging.getLogger(__name__)
 

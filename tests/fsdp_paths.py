@@ -17,7 +17,8 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from src.checkpointing.export import export_model, load_exported_model
-from src.faults.nonfinite import NonFiniteGuard, NonFiniteStep, plain
+from src.errors import NonFiniteStep
+from src.faults.nonfinite import NonFiniteGuard, plain
 from src.loop.forward import Forward
 from src.models.gpt import GPT  # noqa: E402
 from src.objectives.classification import CrossEntropy

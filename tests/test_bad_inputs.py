@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from src.errors import UsageError
+from src.launch.hydra_hooks import check_run_dir_can_be_made
 from src.schema.build import build
 from src.schema.complete import complete_config
-from src.schema.errors import UsageError
-from src.schema.hydra_hooks import check_run_dir_can_be_made
 from tests.test_config import compose_train
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from src.data.jsonl import IGNORE_INDEX, JsonlData
+from src.errors import UsageError
 from src.loop.batches import call_model, logits_of, split_batch
 from src.objectives.classification import CausalLM, CrossEntropy
 from src.objectives.regression import MeanSquaredError
-from src.schema.errors import UsageError
 from tests.conftest import ROOT
 
 

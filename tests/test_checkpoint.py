@@ -290,8 +290,8 @@ def fsdp_shaped_checkpoint(directory: Path) -> Path:
 
 
 def test_sharded_checkpoint_directories_are_fsynced_and_accepted_and_a_truncated_shard_is_named(tmp_path):
-    from src.checkpointing.integrity import check_readable
     from src.checkpointing.checkpointer import _fsync_tree
+    from src.checkpointing.integrity import check_readable
 
     checkpoint = fsdp_shaped_checkpoint(tmp_path)
     _fsync_tree(checkpoint)  # opens directories as directories, not as files

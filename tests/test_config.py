@@ -9,11 +9,11 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import src.schema.hydra_hooks  # noqa: F401  (registers the base config and resolvers)
+import src.launch.hydra_hooks  # noqa: F401  (registers the base config and resolvers)
+from src.errors import ConfigError
 from src.optim.optimizers import build_optimizer
 from src.schema.build import build
 from src.schema.complete import complete_config
-from src.schema.errors import ConfigError
 from src.schema.signature import locate, schema_of
 from src.schema.trainer import TrainerConfig
 from tests.conftest import QUIET, ROOT, TINY_GPT, run
@@ -23,7 +23,9 @@ GROUPS = ("model", "data", "objective", "optimizer", "scheduler")
 
 
 def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+    found = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+    assert found, f"config/{group}/ has no options: a test looping over them would check nothing"
+    return found
 
 
 def compose_train(overrides: list[str]):
@@ -44,7 +46,7 @@ PARTNERS = {
 
 @pytest.mark.parametrize(
     "override",
-    [f"{group}={name}" for group in (*GROUPS, "trainer") for name in options(group)]
+    [f"{group}={name}" for group in GROUPS for name in options(group)]
     + [f"experiment={name}" for name in options("experiment")] + [f"debug={name}" for name in options("debug")],
 )
 def test_every_config_option_composes_completes_and_passes_its_checks(override):
@@ -67,7 +69,8 @@ def test_optimizer_and_scheduler_options_build_with_what_train_py_passes():
 
 def test_no_option_file_restates_a_default_of_its_target():
     """One home per default: an option YAML states only its _target_, wiring (interpolations) and values its
-    target has no default for. A trainer preset states only values that differ from TrainerConfig's."""
+    target has no default for. A debug preset states only loop settings that differ from TrainerConfig's (an
+    experiment is a whole recipe, stated as its source states it: nanoGPT's flags, say)."""
     restated = []
     for group in GROUPS:
         for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
@@ -78,8 +81,9 @@ def test_no_option_file_restates_a_default_of_its_target():
                 if key in params and not params[key].mandatory and not interpolation:
                     restated.append(f"{path.relative_to(ROOT)}: {key}={value} (default {params[key].default!r})")
     defaults = {name: p.default for name, p in schema_of(TrainerConfig).params.items()}
-    for path in sorted((CONFIG_DIR / "trainer").glob("*.yaml")):
-        for key, value in yaml.safe_load(path.read_text()).items():
+    for name in options("debug"):
+        path = CONFIG_DIR / "debug" / f"{name}.yaml"
+        for key, value in yaml.safe_load(path.read_text())["trainer"].items():
             if defaults.get(key) == value:
                 restated.append(f"{path.relative_to(ROOT)}: {key}={value} equals TrainerConfig's default")
     assert not restated, "\n".join(restated)

@@ -126,7 +126,8 @@ def test_workers_that_form_no_process_group_stop_with_a_clear_error():
 
 
 def test_more_processes_on_a_node_than_gpus_is_refused_naming_the_launches_that_fit():
-    from src.launch.checks import LaunchError, check_gpus_per_node
+    from src.errors import LaunchError
+    from src.launch.checks import check_gpus_per_node
 
     for processes, gpus in ((1, 0), (2, 0), (1, 1), (2, 2), (8, 8)):
         check_gpus_per_node(processes, gpus)  # CPU processes, or one GPU each

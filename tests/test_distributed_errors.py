@@ -5,8 +5,8 @@ import socket
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from src.faults.distributed_errors import DistributedFailure, lost_ranks_in_our_words
-from src.schema.errors import UsageError, told_to_the_launcher
+from src.errors import DistributedFailure, UsageError, told_to_the_launcher
+from src.faults.distributed_errors import lost_ranks_in_our_words
 from tests.conftest import QUIET, TINY_GPT, launchers_root_cause, run
 
 

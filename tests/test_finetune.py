@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.schema.errors import UsageError
+from src.errors import UsageError
 from tests.conftest import (HF_HOME, PRETRAINED_VOCAB, QUIET, exported_weights, kill_when, max_abs_diff,
                             put_in_hub_cache, run, scalars)
 
@@ -354,3 +354,30 @@ def test_a_conversation_is_rendered_by_the_chat_template_and_trains_on_the_assis
     with pytest.raises(UsageError, match=r"data: prompts and completions given as messages need a tokenizer with "
                                          r"a chat template"):
         JsonlData(path=str(write_pairs(tmp_path, CHATS)), prompt_key="prompt", block_size=48, batch_size=4)
+
+
+def suggested_overrides(output: str) -> list[str]:
+    """The `key=VALUE` overrides a refusal's message suggests after its "give", typed as a user would copy them
+    (PATH placeholders aside). The message is the line after Hydra's "Error executing job"."""
+    lines = output.splitlines()
+    message = next(lines[i + 1] for i, line in enumerate(lines) if line.startswith("Error executing job"))
+    return [o for o in re.findall(r"\b([a-z_]+\.[\w.]+=[^\s,;:()]+)", message.rsplit("give ", 1)[-1])
+            if "PATH" not in o]
+
+
+def test_a_refused_tokenizer_suggests_the_keys_that_work_and_they_are_accepted(tmp_path, pretrained):
+    """model.pretrained without a tokenizer on data=text: the default data.tokenizer (that folder) is refused,
+    and what the message suggests trains; so does the suggestion given for data.tokenizer=char there."""
+    import shutil
+
+    folder = tmp_path / "no_tokenizer"
+    shutil.copytree(pretrained, folder, ignore=shutil.ignore_patterns("tokenizer*", "vocab.json", "merges.txt",
+                                                                        "special_tokens_map.json"))
+    args = ["model=hf_causal_lm", f"model.pretrained={folder}", "model.block_size=32", "data.batch_size=2",
+            "trainer.max_steps=1", *QUIET]
+    for given in ([], ["data.tokenizer=char"]):
+        refused = run([*args, *given, f"hydra.run.dir={tmp_path / 'refused'}"], check=False)
+        assert refused.returncode == 1 and "Traceback" not in refused.stdout, refused.stdout[-3000:]
+        suggested = suggested_overrides(refused.stdout)
+        assert "data.tokenizer=null" in suggested, refused.stdout[-3000:]
+        run([*args, *given, *suggested, f"hydra.run.dir={tmp_path / ('accepted' + str(len(given)))}"])

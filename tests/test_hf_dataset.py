@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from src.data.jsonl import IGNORE_INDEX
-from src.schema.errors import UsageError
+from src.errors import UsageError
 from tests.conftest import QUIET, ROOT, exported_weights, kill_when, max_abs_diff, put_in_hub_cache, run, scalars
 
 datasets = pytest.importorskip("datasets")

@@ -11,11 +11,11 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from src.checkpointing.resume import config_for_resume
+from src.errors import UsageError
 from src.loop.accumulation import accumulation_windows, steps_per_epoch
 from src.loop.early_stopping import EarlyStopping
 from src.loop.train_state import TrainState, improves
 from src.optim.schedules import constant, warmup_cosine
-from src.schema.errors import UsageError
 
 
 @pytest.mark.parametrize("value, best, mode, min_delta, expected", [

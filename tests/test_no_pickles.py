@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from src.checkpointing.export import load_exported_model
-from src.schema.errors import UsageError
+from src.errors import UsageError
 from tests.conftest import QUIET, TINY_GPT, run
 
 

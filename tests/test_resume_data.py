@@ -8,7 +8,7 @@ import pytest
 from src.checkpointing.layout import DATA_FILE
 from src.checkpointing.resume import check_same_data
 from src.data.text import TextData
-from src.schema.errors import UsageError
+from src.errors import UsageError
 from tests.conftest import QUIET, TINY_GPT, run
 
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400))

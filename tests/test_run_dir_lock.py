@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from src.faults.run_dir_lock import LOCK_FILE, RunDirInUse, acquire_run_dir, release_run_dirs
+from src.errors import RunDirInUse
+from src.faults.run_dir_lock import LOCK_FILE, acquire_run_dir, release_run_dirs
 from tests.conftest import QUIET, TINY_GPT, run, start, wait_for
 
 
@@ -91,22 +92,47 @@ def test_another_hosts_holder_blocks_while_its_heartbeat_is_fresh_and_is_taken_o
     acquire_run_dir(tmp_path, lease_s=60)
 
 
-def test_a_requeued_job_waits_up_to_one_lease_for_its_previous_instance(tmp_path):
-    holder_file(tmp_path, "node-17", 4242, age_s=0)
-    started = time.monotonic()
-    with pytest.raises(RunDirInUse):
-        acquire_run_dir(tmp_path, lease_s=2)  # not requeued: at once
-    assert time.monotonic() - started < 1
-    acquire_run_dir(tmp_path, lease_s=2, requeued=True)  # the holder's heartbeat stops: taken over after ~2 s
-    assert 1.5 < time.monotonic() - started < 10
+def in_a_thread(call) -> tuple[threading.Thread, list]:
+    """call() running in a daemon thread, and the list its return value or exception will be put in."""
+    outcome = []
+
+    def target():
+        try:
+            outcome.append(call())
+        except Exception as error:  # noqa: BLE001 (the test inspects it)
+            outcome.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_fresh_launch_is_refused_without_waiting_for_the_holders_lease(tmp_path):
+    holder_file(tmp_path, "node-17", 4242)
+    thread, outcome = in_a_thread(lambda: acquire_run_dir(tmp_path, lease_s=3600))
+    thread.join(timeout=60)  # waiting for the lease would take an hour
+    assert not thread.is_alive() and isinstance(outcome[0], RunDirInUse)
+
+
+def test_a_requeued_job_waits_for_its_previous_instances_lease_to_run_out_then_takes_over(tmp_path):
+    lock = holder_file(tmp_path, "node-17", 4242)  # its last heartbeat just now: alive as far as anyone can tell
+    thread, outcome = in_a_thread(lambda: acquire_run_dir(tmp_path, lease_s=2, requeued=True))
+    while time.time() - lock.stat().st_mtime < 1.5:  # the heartbeat still fresh: neither refused nor taken over
+        assert not outcome, outcome
+        time.sleep(0.01)
+    thread.join(timeout=60)
+    assert not thread.is_alive() and not isinstance(outcome[0], Exception), outcome
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
 
 
 def test_the_holder_touches_its_lock_and_never_removes_another_holders(tmp_path):
     lock = acquire_run_dir(tmp_path, lease_s=0.4)
     path = tmp_path / LOCK_FILE
     os.utime(path, (0, 0))
-    time.sleep(0.3)
-    assert time.time() - path.stat().st_mtime < 1  # the heartbeat renewed it
+    deadline = time.monotonic() + 60
+    while path.stat().st_mtime == 0:  # until the heartbeat renews it
+        assert time.monotonic() < deadline, "the holder never touched its lock"
+        time.sleep(0.01)
     holder_file(tmp_path, "node-17", 4242)  # taken over by another launch meanwhile
     lock.release()
     assert json.loads(path.read_text())["host"] == "node-17"

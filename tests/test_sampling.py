@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from src.data.tokenizer import Codec
+from src.errors import UsageError
 from src.loop.sampling import sample_texts
 from src.models.gpt import GPT
-from src.schema.errors import UsageError
 from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
 
 CHARS = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"

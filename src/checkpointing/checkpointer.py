@@ -29,8 +29,8 @@ from src.checkpointing.export import export_model
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, EMA_FILE, STATE_FILE, complete_checkpoints, step_dir_name
 from src.checkpointing.load import load_checkpoint, seed_this_ranks_stream
 from src.checkpointing.resume import config_for_resume, resume_source
+from src.errors import UsageError
 from src.loop.train_state import TrainState, improves
-from src.schema.errors import UsageError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_model
 from src.checkpointing.integrity import check_readable
 from src.checkpointing.layout import CONFIG_FILE, RUN_CONFIG
 from src.checkpointing.load import model_must_fit
-from src.schema.errors import UsageError
+from src.errors import UsageError
 
 
 def run_config_for(path: Path) -> DictConfig:

@@ -10,11 +10,10 @@ import zipfile
 from pathlib import Path
 
 import torch
-
 from safetensors import safe_open
 
 from src.checkpointing.layout import CONFIG_FILE, STATE_FILE
-from src.schema.errors import UsageError
+from src.errors import UsageError
 
 # What accelerate.save_state writes for the model and the optimizer: a file, or under FSDP's sharded state
 # dict a torch.distributed.checkpoint directory (.metadata + .distcp shards).

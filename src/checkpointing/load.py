@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import load as safe_load, set_seed
+from accelerate.utils import load as safe_load
+from accelerate.utils import set_seed
 from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import load_model
@@ -17,8 +18,8 @@ from safetensors.torch import load_model
 from src.checkpointing.integrity import check_readable
 from src.checkpointing.layout import DATA_FILE, EMA_FILE, STATE_FILE
 from src.data.tokenizer import Codec
+from src.errors import UsageError
 from src.loop.train_state import TrainState
-from src.schema.errors import UsageError
 
 log = logging.getLogger(__name__)
 

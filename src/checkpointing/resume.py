@@ -10,8 +10,8 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, RUN_CONFIG, STEP_DIR, complete_checkpoints
+from src.errors import UsageError
 from src.schema.data_sizes import data_sizes_unresolved
-from src.schema.errors import UsageError
 from src.schema.keys import flatten
 from src.schema.signature import complete, schema_of
 from src.schema.trainer import TrainerConfig

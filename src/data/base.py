@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from src.schema.errors import UsageError
+from src.errors import UsageError
 from src.schema.signature import Arg
 
 if TYPE_CHECKING:

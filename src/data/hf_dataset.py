@@ -28,8 +28,8 @@ from torch.utils.data import Dataset
 from src.data.base import DataModule, model_size
 from src.data.jsonl import IGNORE_INDEX, pad_right, prompted, warn_untrained
 from src.data.tokenizer import codec_for
+from src.errors import UsageError
 from src.models.hub import dataset_path
-from src.schema.errors import UsageError
 from src.schema.signature import Arg
 
 # File suffixes and the `datasets` builder that reads them.

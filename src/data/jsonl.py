@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
 from src.data.tokenizer import codec_for
-from src.schema.errors import UsageError
+from src.errors import UsageError
 from src.schema.signature import Arg
 
 IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)

@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
-from src.data.tokenizer import Codec, load_tokenizer
+from src.data.tokenizer import BUILT_IN_TOKENIZERS, Codec, load_tokenizer
+from src.errors import UsageError
 from src.schema.signature import Arg
 
 
@@ -120,7 +121,11 @@ class TextData(TokenStream):
         file = readable_file(path, "data.path")
         self.source_files = {file.name: file}
         raw = file.read_bytes()
-        self.tokenizer = load_tokenizer(tokenizer) if tokenizer else None
+        if tokenizer in BUILT_IN_TOKENIZERS:  # other text options take them as data.tokenizer; this one by level
+            raise UsageError(f"data.tokenizer={tokenizer}: data=text reads characters or bytes as data.level says: "
+                             f"give data.tokenizer=null data.level={tokenizer}")
+        instead = "data.tokenizer=null (characters or bytes, as data.level says)"
+        self.tokenizer = load_tokenizer(tokenizer, instead=instead) if tokenizer else None
         if self.tokenizer is not None:
             ids = self.tokenizer.encode(_utf8(raw, path)).ids
             self.vocab = None

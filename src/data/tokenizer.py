@@ -12,20 +12,22 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from src.errors import UsageError
 from src.models.hub import TOKENIZER_FILES, local_path
-from src.schema.errors import UsageError
 
 FILE = "tokenizer.json"  # the name save_pretrained gives a fast tokenizer's file
 BUILT_IN_TOKENIZERS = ("byte", "char")  # data.tokenizer values that name no file
 
 
-def tokenizer_file(path: str, key: str = "data.tokenizer") -> Path:
-    """The tokenizers JSON file `path` names (itself, or FILE inside a folder), or an error naming `key`."""
+def tokenizer_file(path: str, key: str = "data.tokenizer", instead: str = "") -> Path:
+    """The tokenizers JSON file `path` names (itself, or FILE inside a folder), or an error naming `key`;
+    `instead`: what else the key takes, as the overrides to type (`data.tokenizer=byte`)."""
     file = local_path(path, key, TOKENIZER_FILES)  # a hub id: its snapshot in the Hugging Face cache
     if file.is_dir():
         if not (file / FILE).is_file():
             raise UsageError(f"{key}={path}: the folder has no {FILE} (a fast tokenizer saved by save_pretrained); "
-                             f"give a tokenizers JSON file, or byte / char where {key} allows them")
+                             f"give {key}=PATH of a tokenizers JSON file or a folder with one"
+                             + (f", or {instead}" if instead else ""))
         file = file / FILE
     if not file.is_file():
         raise FileNotFoundError(f"{key}={path!r}: no such file or folder (relative paths are relative to "
@@ -33,12 +35,12 @@ def tokenizer_file(path: str, key: str = "data.tokenizer") -> Path:
     return file
 
 
-def load_tokenizer(path: str, key: str = "data.tokenizer") -> Any:
+def load_tokenizer(path: str, key: str = "data.tokenizer", instead: str = "") -> Any:
     try:
         from tokenizers import Tokenizer
     except ImportError as error:
         raise UsageError(f"{key}={path} needs tokenizers: pip install -r requirements-extras.txt") from error
-    file = tokenizer_file(path, key)
+    file = tokenizer_file(path, key, instead)
     try:
         return Tokenizer.from_file(str(file))
     except Exception as error:  # tokenizers raises a bare Exception on a malformed file
@@ -113,9 +115,10 @@ def codec_for(name: Optional[str], texts: Optional[list[str]] = None, key: str =
         return Codec("byte")
     if name == "char":
         if texts is None:
-            raise UsageError(f"{key}=char: this data option reads its documents lazily; use byte or a tokenizer")
+            raise UsageError(f"{key}=char: this data option reads its documents lazily; give {key}=byte or a "
+                             "tokenizer")
         return Codec("char", "".join(sorted(set("".join(texts)))))
-    file = tokenizer_file(name, key)
+    file = tokenizer_file(name, key, f"{key}=byte or {key}=char" if texts is not None else f"{key}=byte")
     tokenizer = load_tokenizer(str(file), key)
     return Codec("tokenizer", tokenizer=tokenizer, end_of_text=end_of_text_id(file, tokenizer),
                  chat=ChatTemplate.of(file.parent))

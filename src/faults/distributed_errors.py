@@ -6,11 +6,9 @@ import re
 from typing import Optional
 
 import torch
-from hydra.errors import CompactHydraException
 
+from src.errors import DistributedFailure, LaunchError, UsageError
 from src.faults.hang_watch import silent_ranks
-from src.launch.checks import LaunchError
-from src.schema.errors import UsageError
 from src.schema.trainer import TrainerConfig
 
 
@@ -49,12 +47,8 @@ LOST_PEER_SIGNS = ("Timed out waiting", "timed out", "Connection closed by peer"
                    "Watchdog caught collective operation timeout", "NCCL communicator was aborted")
 
 
-class DistributedFailure(CompactHydraException):
-    """The run ended because another rank did: printed as its message alone (Hydra), exit status 1."""
-
-
 @contextlib.contextmanager
-def lost_ranks_in_our_words(timeout_s: Optional[float]):
+def lost_ranks_in_our_words(timeout_s: Optional[float], hang_report_s: Optional[float] = None):
     """A collective that ended without every rank: which ranks stopped answering and what each last finished,
     instead of gloo's or NCCL's error and a traceback of the loop."""
     try:
@@ -62,7 +56,7 @@ def lost_ranks_in_our_words(timeout_s: Optional[float]):
     except RuntimeError as error:
         if not any(sign in str(error) for sign in LOST_PEER_SIGNS):
             raise
-        lost = silent_ranks() or "the rank that logged no HANG? report above is the one"
+        lost = silent_ranks(hang_report_s or TrainerConfig.hang_report_s) or "the rank that logged no HANG? report above is the one"
         if "time" in str(error).lower():  # "timed out", "timeout": the peer may still be alive, but stuck
             why = (f"another rank stopped answering, and trainer.dist_timeout_s="
                    f"{timeout_s or TrainerConfig.dist_timeout_s} s passed")

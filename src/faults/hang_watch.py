@@ -23,14 +23,10 @@ import traceback
 log = logging.getLogger(__name__)
 
 
-_WATCHING: list["HangWatch"] = []  # the run's watch, for an error raised outside the loop (silent_ranks)
-
-
 class HangWatch:
     def __init__(self, rank: int, report_after_s: float, world_size: int = 1):
         self.rank, self.report_after_s, self.world_size = rank, report_after_s, world_size
         self.store = _launch_store() if world_size > 1 else None
-        _WATCHING[:] = [self]
         self.last_beat: float | None = None  # armed by the first beat
         self.step = 0
         self.reported = False
@@ -40,7 +36,6 @@ class HangWatch:
     def stop(self) -> None:
         """The run is over (the next job of an in-process sweep must not be reported as this one's hang)."""
         self.stopped.set()
-        _WATCHING.clear()
 
     def beat(self, step: int) -> None:
         """The loop made progress (a step finished, or its evaluation and checkpoint)."""
@@ -83,22 +78,7 @@ class HangWatch:
         return f" Not answering: {silent}." if silent else (" Every rank still answers." if self.store else "")
 
     def silent(self) -> str:
-        """The ranks that stopped answering, with the step each last finished ("" if none, or unknown)."""
-        if self.store is None:
-            return ""
-        silent = []
-        for rank in range(self.world_size):
-            key = f"hang_watch/{rank}"
-            try:
-                news = json.loads(self.store.get(key)) if self.store.check([key]) else None
-            except Exception:  # noqa: BLE001
-                return ""
-            if news is None:
-                silent.append(f"rank {rank} (never heard from)")
-            elif time.time() - news["heard"] > max(3 * min(1.0, self.report_after_s / 4), 2.0):  # missed 3 beats
-                silent.append(f"rank {rank} (pid {news['pid']} on {news['host']}: last finished step {news['step']}, "
-                              f"silent for {time.time() - news['heard']:.0f} s)")
-        return "; ".join(silent)
+        return _silent(self.store, self.world_size, self.report_after_s)
 
 
 def _launch_store():
@@ -111,6 +91,36 @@ def _launch_store():
         return None
 
 
-def silent_ranks() -> str:
-    """What the run's watch knows of ranks that stopped answering ("" when nothing, or no watch)."""
-    return _WATCHING[0].silent() if _WATCHING else ""
+def silent_ranks(report_after_s: float) -> str:
+    """What the watches told each other of ranks that stopped answering, read from the launch's store by an
+    error handler outside the loop ("" when nothing, or no watch ever ran in this process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ""
+    store, rank = _launch_store(), dist.get_rank()
+    try:
+        if store is None or not store.check([f"hang_watch/{rank}"]):  # this rank's watch never ran
+            return ""
+    except Exception:  # noqa: BLE001 (the store's host may be gone)
+        return ""
+    return _silent(store, dist.get_world_size(), report_after_s)
+
+
+def _silent(store, world_size: int, report_after_s: float) -> str:
+    """The ranks that stopped answering, with the step each last finished ("" if none, or unknown)."""
+    if store is None:
+        return ""
+    silent = []
+    for rank in range(world_size):
+        key = f"hang_watch/{rank}"
+        try:
+            news = json.loads(store.get(key)) if store.check([key]) else None
+        except Exception:  # noqa: BLE001
+            return ""
+        if news is None:
+            silent.append(f"rank {rank} (never heard from)")
+        elif time.time() - news["heard"] > max(3 * min(1.0, report_after_s / 4), 2.0):  # missed 3 beats
+            silent.append(f"rank {rank} (pid {news['pid']} on {news['host']}: last finished step {news['step']}, "
+                          f"silent for {time.time() - news['heard']:.0f} s)")
+    return "; ".join(silent)

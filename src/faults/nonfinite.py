@@ -28,13 +28,9 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from torch.optim.lr_scheduler import LambdaLR
 
-from src.schema.errors import UsageError
+from src.errors import NonFiniteStep
 
 NO_STEP = float("inf")  # "no such step yet": the identity of the MIN that finds the first over ranks
-
-
-class NonFiniteStep(UsageError):
-    """Printed as its message alone: the cause is the run's numbers, and the message says what to do."""
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 from src.faults.run_dir_lock import release_run_dirs
-from src.launch.settings import launched_rank
-from src.launch.shutdown import shut_down
+from src.launcher import launched_rank
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +105,3 @@ def requeue_slurm_job(accelerator: Accelerator, preemption: PreemptionWatch) -> 
     log.info("requeued SLURM job %s; it will resume from the checkpoint just saved", job_id)
     return True
 
-
-def stop_preempted(accelerator: Accelerator, preemption: PreemptionWatch, run_dir) -> None:
-    """After the stop's checkpoint: requeue the SLURM job (or say how to continue), close down, and exit with
-    the code that tells a wrapper "saved, start me again" (or 130 after Ctrl-C)."""
-    if not requeue_slurm_job(accelerator, preemption) and accelerator.is_main_process:
-        log.warning("to continue: the same command with resume=auto hydra.run.dir=%s", run_dir)
-    shut_down(accelerator)
-    sys.exit(preemption.exit_code())

@@ -7,6 +7,9 @@ lock whose process is gone (same host: exited, a zombie not yet reaped, or its p
 older than the lease (any host, e.g. on a shared filesystem where flock cannot be trusted) is taken over.
 Creation is O_EXCL and a takeover first renames the stale file away, so of two launches racing for one directory
 exactly one wins. A requeued SLURM job waits up to one lease for its previous instance to let go.
+
+Module state: `_HELD`, the locks this process holds, which the second Ctrl-C's signal handler
+(src/faults/preemption.py) releases before it ends the process at once, as the end of a run does.
 """
 
 import json
@@ -20,16 +23,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Optional
 
-from src.schema.errors import UsageError
+from src.errors import RunDirInUse
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".run.lock"
 _HELD: list["RunDirLock"] = []
-
-
-class RunDirInUse(UsageError):
-    pass
 
 
 class RunDirLock:

@@ -84,7 +84,7 @@ def use_deterministic_kernels() -> None:
 
 
 def quiet_other_ranks(accelerator: Accelerator) -> None:
-    # accelerate logs every file of every save at INFO; src/checkpointing/checkpointer.py logs one line per save instead.
+    # accelerate logs every file of every save at INFO; src/checkpointing/checkpointer.py logs one line per save.
     logging.getLogger("accelerate").setLevel(logging.WARNING)
     if not accelerator.is_main_process:  # their INFO lines would repeat rank 0's; warnings and errors stay
         logging.getLogger().setLevel(logging.WARNING)

@@ -8,7 +8,8 @@ import torch
 from accelerate import Accelerator
 from omegaconf import DictConfig
 
-from src.launch.settings import LaunchSettings, launched_world_size
+from src.launch.settings import LaunchSettings
+from src.launcher import launched_world_size
 
 
 def describe_launch(accelerator: Accelerator, cfg: DictConfig, settings: LaunchSettings, run_dir: Path,

@@ -14,9 +14,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object
 
-from src.launch.settings import (Setting, launched_world_size, launcher_config_file, parent_launch_args,
-                                 requested_processes)
-from src.schema.errors import UsageError
+from src.errors import LaunchError
+from src.launch.settings import Setting, requested_processes
+from src.launcher import launched_world_size, launcher_config_file, parent_launch_args
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +26,6 @@ def cpu_ddp_hint(n: int) -> str:
         f"accelerate launch --multi_gpu --num_processes {n} train.py ...  (or: accelerate launch --config_file "
         f"config/accelerate/cpu_ddp.yaml train.py ..., or: torchrun --nproc_per_node {n} train.py ...)"
     )
-
-
-class LaunchError(UsageError):
-    pass
 
 
 def check_gpus_per_node(local_processes: int, gpus: int) -> None:

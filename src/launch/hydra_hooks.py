@@ -18,8 +18,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed import TCPStore
 
+from src.errors import UsageError, told_to_the_launcher
+from src.faults.run_dir_lock import release_run_dirs
+from src.launch.settings import launch_settings
+from src.launch.slurm_sweep import check_submitit_slurm
+from src.launcher import launched_rank
 from src.schema.complete import base_config, complete_config
-from src.schema.errors import UsageError, told_to_the_launcher
 
 
 class ValidateConfig(Callback):
@@ -33,8 +37,6 @@ class ValidateConfig(Callback):
         self.run_dir_existed = self.run_dir.exists()
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        from src.faults.run_dir_lock import release_run_dirs
-
         release_run_dirs()  # before the empty-dir check below; a SystemExit skips this: see run_then_release
         if job_return.status == JobStatus.FAILED and not getattr(self, "run_dir_existed", True):
             try:
@@ -48,9 +50,6 @@ class ValidateConfig(Callback):
 
     @staticmethod
     def _exit_on_errors(config: DictConfig, run_dir: str, multirun: bool = False) -> None:
-        from src.launch.settings import launch_settings, launched_rank
-        from src.launch.slurm_sweep import check_submitit_slurm
-
         warnings = []
         try:
             with told_to_the_launcher():

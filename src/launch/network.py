@@ -18,7 +18,6 @@ import struct
 from pathlib import Path
 from typing import Optional
 
-
 log = logging.getLogger(__name__)
 
 SIOCGIFADDR = 0x8915  # Linux's ioctl for an interface's IPv4 address

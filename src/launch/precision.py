@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from src.launcher import launched_rank
+
 log = logging.getLogger(__name__)
 
 # /proc/cpuinfo flags of CPUs with bf16 arithmetic: x86 (AVX-512-BF16, AMX) and Arm (the BF16 extension).
@@ -58,8 +60,6 @@ def resolve_precision(value: str, source: str, cpuinfo: str | None = None) -> tu
 
 @functools.cache  # once per process: the config check before the run dir and train.py both resolve it
 def warn_emulated_bf16(source: str, device: str) -> None:
-    from src.launch.settings import launched_rank  # settings imports this module
-
     if launched_rank() != 0:  # every process resolves the precision; one warns
         return
     log.warning("mixed precision bf16 (%s) on %s: bf16 is emulated there, typically tens of times slower than fp32 "

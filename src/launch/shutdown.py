@@ -1,4 +1,8 @@
-"""Ending a run's processes cleanly: no orphaned workers, no exit-time deadlocks."""
+"""Ending a run's processes cleanly: no orphaned workers, no exit-time deadlocks.
+
+Module state: `_UNTIL_EXIT`, the multi-process run's models, which must outlive train()'s frame until the
+process ends with os._exit (see outlive_main: their destructors can deadlock on the gloo group).
+"""
 
 import gc
 import logging
@@ -12,6 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
 
+from src.faults.preemption import PreemptionWatch, requeue_slurm_job
 from src.faults.run_dir_lock import release_run_dirs
 
 log = logging.getLogger(__name__)
@@ -98,3 +103,12 @@ def run_then_release(main: Callable[[], None]) -> None:
         os._exit(status)
     gc.collect()
     sys.exit(status)
+
+
+def stop_preempted(accelerator: Accelerator, preemption: PreemptionWatch, run_dir) -> None:
+    """After the stop's checkpoint: requeue the SLURM job (or say how to continue), close down, and exit with
+    the code that tells a wrapper "saved, start me again" (or 130 after Ctrl-C)."""
+    if not requeue_slurm_job(accelerator, preemption) and accelerator.is_main_process:
+        log.warning("to continue: the same command with resume=auto hydra.run.dir=%s", run_dir)
+    shut_down(accelerator)
+    sys.exit(preemption.exit_code())

@@ -27,8 +27,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from src.errors import UsageError
 from src.faults.preemption import PREEMPTED_EXIT_CODE, REQUEUE_SIGNALS
-from src.schema.errors import UsageError
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ import torch
 from accelerate import Accelerator
 
 from src.data.base import FirstSamples
+from src.errors import UsageError
 from src.loop.train_state import TrainState
 from src.objectives.base import Objective
-from src.schema.errors import UsageError
 
 log = logging.getLogger(__name__)
 

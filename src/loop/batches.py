@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from src.schema.errors import UsageError
+from src.errors import UsageError
 
 BATCH_FORMS = ("a tuple/list (inputs, targets), or a mapping holding the targets under objective.target_key "
                "(default labels) and the model's keyword arguments under the other keys")

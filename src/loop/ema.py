@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from src.schema.errors import UsageError
+from src.errors import UsageError
 
 
 def build_ema(accelerator: Accelerator, model: torch.nn.Module, decay: Optional[float]) -> Optional[AveragedModel]:

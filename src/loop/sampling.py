@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from src.data.tokenizer import Codec
-from src.schema.errors import UsageError
+from src.errors import UsageError
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
+from src.errors import UsageError
 from src.models.hub import local_path
-from src.schema.errors import UsageError
 from src.schema.signature import Arg
 
 # Config fields that bound the sequence length, by the names transformers' architectures use.

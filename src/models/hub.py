@@ -13,6 +13,9 @@ login` first.
 A model's revision is pinned: a run records the commit it fetched (model.revision), and every later read of that
 id in the process (the data's tokenizer, which names the same id) takes the same commit, so a resume or an
 evaluation reads the files the run started from even after the hub or the cache has moved on.
+
+Module state: `PINNED`, hub id -> the commit this process reads it at, decided once by fetch_from_hub before the
+data is built and read by every later local_path of that id (the data's tokenizer names it without a revision).
 """
 
 import logging
@@ -22,7 +25,7 @@ from typing import Optional
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from src.schema.errors import UsageError
+from src.errors import UsageError
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from typing import Annotated, Mapping
 import torch
 import torch.nn.functional as F
 
+from src.errors import UsageError
 from src.objectives.base import Objective, PerSample
-from src.schema.errors import UsageError
 from src.schema.signature import Arg
 
 

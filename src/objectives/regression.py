@@ -2,8 +2,8 @@
 
 import torch
 
+from src.errors import UsageError
 from src.objectives.base import Objective
-from src.schema.errors import UsageError
 
 
 class MeanSquaredError(Objective):

@@ -7,8 +7,8 @@ whatever its `_target_`: the template applies them, since only it knows the glob
 
 import logging
 import math
-from dataclasses import dataclass, fields
-from typing import Annotated, Literal, Optional
+from dataclasses import fields
+from typing import Annotated, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -16,17 +16,9 @@ from torch import nn
 
 from src.schema.build import build
 from src.schema.signature import Arg
+from src.schema.trainer import LRScaling
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LRScaling:
-    scale_lr: Annotated[Literal["none", "linear", "sqrt"], Arg(
-        "scale optimizer.lr by the global batch over reference_batch (linear: Goyal et al.'s rule for SGD; "
-        "sqrt: the usual one for Adam), so a recipe moves to more GPUs without retuning")] = "none"
-    reference_batch: Annotated[Optional[int], Arg(
-        "the global batch (samples per optimizer step) optimizer.lr was tuned for; needed by scale_lr", ge=1)] = None
 
 
 LR_SCALING_KEYS = tuple(f.name for f in fields(LRScaling))

@@ -14,7 +14,7 @@ from pathlib import Path
 from accelerate import Accelerator
 from accelerate.tracking import MLflowTracker, WandBTracker
 
-from src.schema.errors import UsageError
+from src.errors import UsageError
 
 log = logging.getLogger(__name__)
 

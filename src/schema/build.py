@@ -4,7 +4,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from src.schema.errors import UsageError
+from src.errors import UsageError
 
 
 def build(node: DictConfig, *args: Any, group: str, **kwargs: Any) -> Any:

@@ -3,19 +3,18 @@
 Each config group (model, data, objective, optimizer, scheduler) is a `_target_` whose signature is its
 schema (signature.py): the defaults, types, ranges and help of `model=gpt` live in `GPT.__init__`, not here
 and not in YAML. The loop's own settings are `TrainerConfig` (trainer.py). `complete_config` fills every
-default in and checks everything at once; `ValidateConfig`, a Hydra callback (hydra_hooks.py), runs it before
-Hydra creates the run directory, so a mistake never leaves an empty run dir behind.
+default in and checks everything at once; `ValidateConfig`, a Hydra callback (src/launch/hydra_hooks.py), runs
+it before Hydra creates the run directory, so a mistake never leaves an empty run dir behind.
 """
 
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from src.optim.optimizers import LRScaling
+from src.errors import ConfigError
 from src.schema.data_sizes import data_size_references
-from src.schema.errors import ConfigError
 from src.schema.signature import check_values, chosen_option, complete, locate, schema_of
-from src.schema.trainer import TrainerConfig
+from src.schema.trainer import LRScaling, TrainerConfig
 
 # Group -> the parameters train.py passes when it builds it (so the config must not).
 GROUPS = {"model": (), "data": (), "objective": (), "optimizer": ("params",), "scheduler": ("optimizer",)}

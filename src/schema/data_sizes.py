@@ -2,6 +2,9 @@
 
 They stay unresolved while the config is completed and checked, and are resolved once the data is built
 (`resolve_data_sizes`), so config.yaml and checkpoints hold the numbers.
+
+Module state: `_data_sizes`, what OmegaConf's resolver callback answers, set only inside resolve_data_sizes and
+data_sizes_unresolved (a resolver is registered once per process and takes no arguments but the name).
 """
 
 import contextlib
@@ -10,7 +13,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from src.schema.errors import ConfigError
+from src.errors import ConfigError
 
 DATA_SIZE = re.compile(r"\$\{dataset:(\w+)\}")
 

@@ -27,8 +27,8 @@ from typing import Annotated, Any, Callable, Literal, Optional, Union
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
 
+from src.errors import ConfigError
 from src.schema.data_sizes import DataSizeUnknown
-from src.schema.errors import ConfigError
 
 # Keys Hydra's instantiate reads; they are not parameters of the target.
 INSTANTIATE_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}

@@ -1,5 +1,6 @@
-"""The loop's own settings, `trainer.*`: one dataclass whose fields are the keys (with their defaults,
-types, ranges and help), checked like any component's signature.
+"""The template's own settings: the loop's, `trainer.*` (TrainerConfig), and the keys it adds to every
+optimizer option (LRScaling, applied by src/optim/optimizers.py). Each a dataclass whose fields are the keys
+(with their defaults, types, ranges and help), checked like any component's signature.
 """
 
 from dataclasses import dataclass
@@ -109,3 +110,12 @@ class TrainerConfig:
         "peak TFLOP/s of one device, for train/mfu (null: A100/H100/H200 known, others no MFU)", gt=0)] = None
     cpu_threads: Annotated[Optional[int], Arg(
         "intra-op threads per process on CPU (null: its share of the cores)", ge=1)] = None
+
+
+@dataclass
+class LRScaling:
+    scale_lr: Annotated[Literal["none", "linear", "sqrt"], Arg(
+        "scale optimizer.lr by the global batch over reference_batch (linear: Goyal et al.'s rule for SGD; "
+        "sqrt: the usual one for Adam), so a recipe moves to more GPUs without retuning")] = "none"
+    reference_batch: Annotated[Optional[int], Arg(
+        "the global batch (samples per optimizer step) optimizer.lr was tuned for; needed by scale_lr", ge=1)] = None
