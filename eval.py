@@ -1,7 +1,7 @@
 """Evaluate an exported model or a checkpoint on the validation split of the data it was trained on.
 
     python eval.py path=outputs/RUN/model                  # or outputs/RUN/model_best
-    accelerate launch --multi_gpu --num_processes 2 eval.py path=outputs/RUN/checkpoints/step_000500
+    accelerate launch --multi_gpu --num_processes 2 eval.py path=outputs/RUN/checkpoints/step_00000500
 
 Prints the metrics and writes them as JSON (main process only). Exact on any number of processes.
 """

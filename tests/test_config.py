@@ -127,9 +127,7 @@ def test_accelerate_launch_configs_cover_cpu_ddp_gpus_multi_node_and_fsdp_and_le
     assert not any("mixed_precision" in c for c in configs.values())  # else it would contradict trainer.*
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
+REFUSALS = [
         (["trainer.max_stepz=5"], "trainer.max_stepz: src.schema.trainer.TrainerConfig has no parameter 'max_stepz'; did you "
                                   "mean trainer.max_steps?"),
         (["trainer.max_steps=many"], "trainer.max_steps=many expected an integer"),
@@ -160,13 +158,38 @@ def test_accelerate_launch_configs_cover_cpu_ddp_gpus_multi_node_and_fsdp_and_le
                                                    "max-autotune-no-cudagraphs] (torch.compile's mode"),
         (["trainer.compile_mode=max-autotune-no-cudagraphs"], "trainer.compile_mode=max-autotune-no-cudagraphs needs "
                                                               "trainer.compile=true"),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize("overrides, message", REFUSALS)
 def test_bad_value_is_refused_naming_the_key_and_what_is_allowed(overrides, message):
     """The checks train.py's start-up callback runs (in-process here: each real launch costs seconds)."""
     with pytest.raises(ConfigError) as refused:
         complete_config(compose_train(overrides))
     assert message in str(refused.value)
+
+
+def suggestion_typed(override: str, message: str):
+    """The override a user types after reading the refusal: the key it suggests ("did you mean KEY?"), or the
+    first of the values it allows ("expected one of [A, B]"); None where the message suggests neither."""
+    key, value = override.lstrip("+~").split("=", 1)
+    meant = re.search(r"did you mean ([\w.]+)\?", message)
+    allowed = re.search(rf"{re.escape(key)}=\S+ expected one of \[([^,\]]+)", message)
+    if meant:
+        return f"{meant.group(1)}={value}"
+    return f"{key}={allowed.group(1)}" if allowed else None
+
+
+@pytest.mark.parametrize("overrides, message", [case for case in REFUSALS
+                                                if suggestion_typed(case[0][-1], case[1]) is not None])
+def test_a_refusal_that_suggests_a_key_or_a_value_is_accepted_when_it_is_typed(overrides, message):
+    with pytest.raises(ConfigError) as refused:
+        complete_config(compose_train(overrides))
+    typed = suggestion_typed(overrides[-1], str(refused.value))
+    assert typed is not None, str(refused.value)
+    cfg = complete_config(compose_train([*overrides[:-1], typed]))
+    key, value = typed.split("=", 1)
+    assert str(OmegaConf.select(cfg, key)) == value
 
 
 @pytest.mark.parametrize("overrides, message", [  # one check within a group, one across groups
@@ -222,11 +245,11 @@ def test_python_m_src_schema_prints_every_key_with_its_type_default_and_help():
 
 
 def test_the_readme_trainer_reference_is_the_schema():
-    """README's table of trainer.* keys is generated from TrainerConfig; regenerate it with
+    """docs/configuration.md's table of trainer.* keys is generated from TrainerConfig; regenerate it with
     `python -m src.schema --markdown src.schema.trainer.TrainerConfig trainer.` when a key changes."""
     from src.schema.reference import markdown_reference
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "configuration.md").read_text()
     start, end = "<!-- trainer-reference: start -->\n", "\n<!-- trainer-reference: end -->"
     assert start in readme and end in readme
     table = readme[readme.index(start) + len(start) : readme.index(end)]

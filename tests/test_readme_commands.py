@@ -1,7 +1,7 @@
-"""Every shell command of the README runs: each line of its ```bash blocks and each command of its Launching
-table is either run here, shortened (a tiny model, 2 steps, test data in place of /data paths), or listed
-with the reason it is not. A command added to or changed in the README fails the first test until it is
-listed below, so the README cannot drift from the code unseen."""
+"""Every shell command of the README and of docs/ runs: each line of their ```bash blocks and each command of
+docs/launching.md's table is either run here, shortened (a tiny model, 2 steps, test data in place of /data
+paths), or listed with the reason it is not. A command added to or changed in them fails the first test until
+it is listed below, so the documentation cannot drift from the code unseen."""
 
 import re
 
@@ -11,6 +11,7 @@ from tests.conftest import ROOT, copy_of_repo, exported_weights, max_abs_diff, s
 from tests.test_slurm import CPU_NODES, cluster_is_up, job_field
 
 README = (ROOT / "README.md").read_text()
+DOCS = {path.name: path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}
 
 # The Launching table's ways to start 2 CPU processes: each one real DDP, one run dir, the same training.
 LAUNCHERS = ["accelerate launch --multi_gpu --num_processes N train.py",
@@ -114,9 +115,10 @@ NOT_RUN = {
 def readme_commands() -> list[str]:
     """Each line of each bash block (comments dropped) and each command of the Launching table."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
-        commands += [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
-    table = README.split("## Launching")[1].split("\n\n")[1]
+    for page in (README, *DOCS.values()):
+        for block in re.findall(r"```bash\n(.*?)```", page, flags=re.S):
+            commands += [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
+    table = DOCS["launching.md"].split("# Launching")[1].split("\n\n")[1]
     for row in table.splitlines()[2:]:
         commands += re.findall(r"`((?:accelerate|python|torchrun|sbatch) [^`]*)`", row.split("|")[2])
     return commands
@@ -133,7 +135,7 @@ def shell_command(readme: str, replace: dict, extra: list[str], cifar) -> str:
 def test_every_readme_command_is_run_or_listed_with_the_reason_it_is_not():
     listed = [c for c, _, _ in RUN + RUN_ON_SLURM] + list(NOT_RUN)
     found = readme_commands()
-    assert sorted(set(found) - set(listed)) == [], "README commands that this test neither runs nor lists"
+    assert sorted(set(found) - set(listed)) == [], "documented commands that this test neither runs nor lists"
     assert sorted(set(listed) - set(found)) == [], "listed here but no longer in the README"
     ci = (ROOT / ".ci" / "run").read_text()
     test_command = next(c for c in NOT_RUN if c.endswith("python -m pytest tests"))

@@ -1,4 +1,4 @@
-"""The README's walkthroughs, followed verbatim in a copy of the repository: "bring your own model, data and
+"""The documentation's walkthroughs (docs/bring-your-own.md, docs/fine-tuning.md), followed verbatim in a copy of the repository: "bring your own model, data and
 loss" (new files only; trains on 1 and 2 processes, exports, reloads) and fine-tuning with LoRA (a tiny
 pretrained folder, an adapter trained on local documents, samples from the export)."""
 
@@ -12,13 +12,13 @@ import pytest
 
 from tests.conftest import ROOT, copy_of_repo, scalars, shell, tracked_files, user_env
 
-README = (ROOT / "README.md").read_text()
+DOCS = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 
 
 def blocks(marker: str) -> list[tuple[str, str]]:
     """(marker argument, code) of every fenced block right after `<!-- marker[: argument] -->`."""
     pattern = rf"<!-- {marker}(?:: (\S+))? -->\n```\w*\n(.*?)```"
-    return re.findall(pattern, README, flags=re.S)
+    return re.findall(pattern, DOCS, flags=re.S)
 
 
 def write_table(path, rows: int = 2000) -> None:

@@ -56,11 +56,12 @@ def wait_for_end(job_id: str, timeout: float, release_requeued: bool = False) ->
 
 
 def submit_endless_run(run_dir: Path, overrides: list[str], log: Path) -> str:
-    """A 2-node job that trains until stopped; returns its id once training has started."""
+    """A 2-node job that trains until stopped; returns its id once its first optimizer step is logged (its signal
+    handlers are in place by then)."""
     job = submit("train_multi_node.sbatch", [],
                  [*TRAIN, "trainer.max_steps=100000", *overrides, f"hydra.run.dir={run_dir}"], log)
     deadline = time.monotonic() + 120
-    while not list((run_dir / "tensorboard").glob("events.*")):
+    while not ((run_dir / "tensorboard").is_dir() and scalars(run_dir, "train/loss")):
         assert time.monotonic() < deadline, "training never started"
         time.sleep(0.2)
     return job
@@ -108,16 +109,15 @@ def test_usr1_checkpoints_requeues_and_resumes_in_the_job_id_run_dir_to_the_unin
 
 def test_sigkill_of_one_training_process_fails_the_whole_job_without_hanging(tmp_path):
     run_dir = tmp_path / "run"
-    job = submit_endless_run(run_dir, ["trainer.dist_timeout_s=60"], tmp_path / "log")
+    # A collective timeout far beyond the wait below: the job must end because srun stops it, not by timing out.
+    job = submit_endless_run(run_dir, ["trainer.dist_timeout_s=600"], tmp_path / "log")
     workers = subprocess.run(["pgrep", "-f", f"train.py .*hydra.run.dir={run_dir}"], capture_output=True, text=True)
     launchers = ("accelerate", "launch_node.sh")  # srun's, the node script's and the launcher's command lines
     training = [int(p) for p in workers.stdout.split()
                 if not any(word in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace") for word in launchers)]
     assert len(training) == 2
-    started = time.monotonic()
     subprocess.run(["kill", "-9", str(training[-1])], check=True)
     assert wait_for_end(job, 120) == "FAILED"
-    assert time.monotonic() - started < 90
 
 
 def test_a_submitit_sweep_runs_each_job_on_two_nodes_resumes_a_preempted_job_and_returns_the_metrics(tmp_path):
@@ -170,7 +170,6 @@ def test_a_submitit_sweep_runs_each_job_on_two_nodes_resumes_a_preempted_job_and
 def test_a_plain_scancel_saves_a_checkpoint_and_is_not_requeued(tmp_path):
     run_dir = tmp_path / "run"
     job = submit_endless_run(run_dir, ["trainer.checkpoint_every=100000"], tmp_path / "log")
-    time.sleep(2)
     subprocess.run(["scancel", job], check=True)  # SIGTERM to every process of the job
     assert wait_for_end(job, 120) == "CANCELLED"
     log = (tmp_path / "log").read_text(errors="replace")
