@@ -72,7 +72,9 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     )
     outlive_main(accelerator, model)  # multi-process: no gloo teardown in a destructor (src/launch/shutdown.py)
     ema = build_ema(accelerator, model, trainer.ema_decay)
-    checkpointer = Checkpointer.for_run(run, model, ema)
+    # Reports a rank where nothing progressed for trainer.hang_report_s; long work between steps reports progress.
+    hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s, accelerator.num_processes)
+    checkpointer = Checkpointer.for_run(run, model, ema, hang_watch.alive)
     checkpointer.load(state)  # weights, optimizer, schedule, EMA, every rank's random streams, data position
     start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, run.launch, run_dir, model), state.step)
 
@@ -81,11 +83,11 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     train_step = TrainStep(accelerator, model, optimizer, scheduler, ema, run.objective, trainer, run_dir)
     telemetry = Telemetry(accelerator, model, state.global_batch, trainer.mixed_precision, trainer.peak_tflops,
                           process_start_time(), trainer.profile, run_dir)
-    evaluate = Evaluation(accelerator, model, ema, val_loader, train_step.forward, trainer, telemetry)
-    sampler = Sampler(accelerator, trainer, run.data.codec, model, cfg.model.get("block_size") or 0)
+    evaluate = Evaluation(accelerator, model, ema, val_loader, train_step.forward, trainer, telemetry,
+                          hang_watch.alive)
+    sampler = Sampler(accelerator, trainer, run.data.codec, model, cfg.model.get("block_size") or 0, hang_watch.alive)
     preemption = PreemptionWatch(accelerator.num_processes)  # SIGTERM, SIGUSR1/2, Ctrl-C: save, then stop
     stop = StopDecision(trainer, preemption)
-    hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s, accelerator.num_processes)
     progress = Progress(trainer.max_steps, state.step, accelerator.is_main_process, trainer.progress_interval_s)
     model.train()
     evaluate.before_training(state.step)  # trainer.eval_on_start: a fresh run's metrics at step 0
@@ -93,9 +95,10 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps,
                                    trainer.gradient_accumulation_steps, run.epoch_steps)
     for window in telemetry.timed_windows([] if stop_reason else windows):
-        hang_watch.beat(state.step)
+        hang_watch.beat(state.step)  # armed by the first: a first step that never ends is reported too
         result = train_step(window, state.step)
         state.step += 1
+        hang_watch.beat(state.step)
         telemetry.step_finished(result.targets)
         # Steps that log, evaluate or save read what the device decided: until then the host never waits for it.
         logging_step, evaluating = state.step % trainer.log_every == 0, evaluate.due(state.step)

@@ -27,6 +27,7 @@ from src.data.tokenizer import BUILT_IN_TOKENIZERS
 from src.errors import UsageError
 from src.faults.run_dir_lock import acquire_run_dir
 from src.launch.accelerator import build_accelerator
+from src.launch.memory import warn_if_it_cannot_fit
 from src.launch.settings import LaunchSettings, Setting, launch_settings
 from src.launcher import launched_rank
 from src.loop.accumulation import fit_run_to_data
@@ -95,6 +96,7 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
     model = build(cfg.model, group="model")
     check_vocabulary_fits(model, data.sizes(), cfg.model)
+    warn_if_it_cannot_fit(accelerator, model, cfg)  # weights, gradients and optimizer state against the memory
     if cfg.trainer.init_weights and not checkpoint:  # a resumed run continues from its checkpoint's weights
         load_initial_weights(model, Path(cfg.trainer.init_weights), cfg.model, data.codec, fingerprint)
     hide_tied_weight_notices(model)  # accelerate's "Removed shared tensor" at every save, for the model's own ties

@@ -19,6 +19,7 @@ def test_two_process_run_is_real_ddp_with_identical_replicas_own_dropout_streams
                 "data.batch_size=8", f"hydra.run.dir={run_dir}"], nproc=2)
     assert "distributed type            : DistributedType.MULTI_CPU" in proc.stdout
     assert proc.stdout.count("distributed type ") == 1  # the banner is printed once, by rank 0
+    assert "(a whole copy on each rank): weights" in proc.stdout  # DDP: the model's state is not sharded
     fingerprints = re.search(r"parameter fingerprint per rank .*: \[(.*)\]", proc.stdout).group(1).split(", ")
     assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
     # The same masks on both ranks would correlate the global batch's samples: each rank's stream is its own.

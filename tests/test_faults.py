@@ -139,6 +139,47 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def test_a_long_evaluation_is_no_hang_but_a_rank_stopped_inside_one_is_reported(tmp_path):
+    """Evaluations longer than trainer.hang_report_s report their progress batch by batch: the one at step 2
+    passes without a report (a 206M-parameter model's final evaluation ran past 300 s and every rank was
+    reported). Rank 1 stopped inside the one at step 4: rank 0, waiting in its collective, reports where."""
+    import os
+    import signal
+    import time
+
+    from tests.conftest import start, wait_for, worker_pids
+
+    run_dir = tmp_path / "run"
+    args = [*TINY_GPT, "trainer.log_every=1", "trainer.eval_every=2", "trainer.eval_batches=null", "data.batch_size=4",
+            "data.eval_batch_size=1", "trainer.max_steps=100000", "trainer.checkpoint_every=0", "trainer.monitor=null",
+            "trainer.hang_report_s=2", "trainer.dist_timeout_s=10", f"hydra.run.dir={run_dir}"]
+    proc = start(args, nproc=2, launcher="torchrun")
+    stopped = None
+    try:
+        wait_for(lambda: (run_dir / "tensorboard").is_dir() and 4 in scalars(run_dir, "train/loss"), proc)
+        stopped = worker_pids(proc.pid)[1]
+        os.kill(stopped, signal.SIGSTOP)  # in step 4's evaluation: logged, then evaluated
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and "HANG? rank 0" not in (run_dir / "train.log").read_text():
+            assert time.monotonic() < deadline, "no report"
+            time.sleep(0.2)
+        os.kill(stopped, signal.SIGKILL)
+        output, _ = proc.communicate(timeout=90)
+        assert proc.returncode != 0 and not (run_dir / "summary.json").exists()  # the run did not finish
+        reports = [line[line.index("HANG?"):] for line in output.splitlines() if "HANG? rank" in line]
+        assert reports and all(r.startswith("HANG? rank 0") and "after step 4" in r for r in reports), reports
+        assert "the last progress: evaluation batch" in reports[0], reports[0]
+        assert "step 2: eval/loss=" in output, output[-3000:]  # the first evaluation ran to its end, unreported
+    finally:
+        if stopped:
+            try:
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_workers_stop_when_their_launcher_is_killed_instead_of_training_on_orphaned(tmp_path):
     """torch's elastic agent starts workers in their own sessions: a `kill -9` of `accelerate launch` alone
     would leave them writing into a run dir that the resumed run then shares."""

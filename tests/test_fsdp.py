@@ -8,11 +8,13 @@ user does.
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from src.checkpointing.export import load_exported_model
+from src.launch.memory import gib
 from tests.conftest import GPU_ENV, QUIET, TINY_GPT, exported_weights, kill_when, max_abs_diff, run, scalars
 
 FSDP_ON_CPU = {"script": "tests/fsdp_on_cpu.py", "launcher": "fsdp"}
@@ -28,6 +30,11 @@ def fsdp_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("fsdp") / "uninterrupted"
     proc = run([*ARGS, f"hydra.run.dir={run_dir}"], nproc=2, **FSDP_ON_CPU)
     assert "distributed type            : DistributedType.FSDP" in proc.stdout
+    # The banner's model state is each rank's shard: fp32 weights and gradients, and AdamW's two moments.
+    parameters = int(re.search(r"parameters +: ([\d,]+) ", proc.stdout).group(1).replace(",", ""))
+    shard = -(-parameters * 4 // 2)
+    assert (f"(sharded over 2 ranks): weights {gib(shard)}, gradients {gib(shard)}, optimizer state "
+            f"{gib(2 * shard)}") in proc.stdout, proc.stdout[:3000]
     return run_dir
 
 

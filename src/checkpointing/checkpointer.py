@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator
@@ -49,8 +49,9 @@ class Checkpointer:
 
     def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig, model: Optional[torch.nn.Module],
                  ema=None, codec=None, data_fingerprint: Optional[dict] = None, resume_from: Optional[Path] = None,
-                 data_changed: bool = False):
+                 data_changed: bool = False, progress: Callable[[str], None] = lambda doing: None):
         self.accelerator, self.cfg = accelerator, cfg
+        self.progress = progress  # the hang watch hears of each part of a save and an export
         self.run_dir, self.root = run_dir, run_dir / "checkpoints"
         self.model, self.ema, self.codec = model, ema, codec
         self.data_fingerprint = data_fingerprint or {}
@@ -61,10 +62,10 @@ class Checkpointer:
         self.monitor, self.mode, self.seed = trainer.monitor, trainer.monitor_mode, trainer.seed
 
     @classmethod
-    def for_run(cls, run, model: torch.nn.Module, ema) -> "Checkpointer":
-        """`run`: src/run.py's Run; `model` and `ema` as prepared."""
+    def for_run(cls, run, model: torch.nn.Module, ema, progress: Callable[[str], None]) -> "Checkpointer":
+        """`run`: src/run.py's Run; `model` and `ema` as prepared; `progress`: the hang watch's `alive`."""
         return cls(run.accelerator, run.run_dir, run.cfg, model, ema, run.data.codec, run.data_fingerprint,
-                   run.checkpoint, run.data_changed)
+                   run.checkpoint, run.data_changed, progress)
 
     # ---------------------------------------------------------------------------------------------- loading
 
@@ -106,6 +107,7 @@ class Checkpointer:
             log.info("exported the EMA of the weights to %s", self.run_dir / "model_ema")
 
     def export(self, directory: Path, module: Optional[torch.nn.Module] = None) -> None:
+        self.progress(f"exporting {directory.name}/")
         export_model(self.accelerator, module if module is not None else self.model, self.cfg.model, directory,
                      self.codec)
 
@@ -131,6 +133,7 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
+        self.progress(f"saving checkpoint {final.name}")
         failure = None
         try:
             accelerator.save_state(str(tmp))
@@ -140,6 +143,7 @@ class Checkpointer:
             failure = error
         self._stop_if_any_rank_failed(failure, tmp)
         accelerator.wait_for_everyone()  # every rank's files are in tmp before it becomes a checkpoint
+        self.progress(f"committing checkpoint {final.name} (fsync, rename)")
         if accelerator.is_main_process:
             _fsync_tree(tmp)
             tmp.rename(final)  # the commit point: atomic on POSIX filesystems

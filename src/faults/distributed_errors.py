@@ -56,7 +56,8 @@ def lost_ranks_in_our_words(timeout_s: Optional[float], hang_report_s: Optional[
     except RuntimeError as error:
         if not any(sign in str(error) for sign in LOST_PEER_SIGNS):
             raise
-        lost = silent_ranks(hang_report_s or TrainerConfig.hang_report_s) or "the rank that logged no HANG? report above is the one"
+        lost = (silent_ranks(hang_report_s or TrainerConfig.hang_report_s)
+                or "the rank that logged no HANG? report above is the one")
         if "time" in str(error).lower():  # "timed out", "timeout": the peer may still be alive, but stuck
             why = (f"another rank stopped answering, and trainer.dist_timeout_s="
                    f"{timeout_s or TrainerConfig.dist_timeout_s} s passed")

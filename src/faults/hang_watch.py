@@ -1,5 +1,8 @@
-"""Where a stuck run is stuck: when no optimizer step has finished for `trainer.hang_report_s`, every rank that
-is still alive logs the Python stack of each of its threads, naming itself. A rank that died or stopped says
+"""Where a stuck run is stuck: when nothing has progressed for `trainer.hang_report_s` (no optimizer step
+finished, no evaluation batch, no sample, no part of a save or an export), every rank that
+is still alive logs the Python stack of each of its threads, naming itself. Long work between steps reports
+its progress (`alive`), so a rank busy in a long evaluation is not reported; one stopped inside it still is,
+by the others, which then wait in its collectives. A rank that died or stopped says
 nothing, which is how it shows; the others typically wait in a collective (all-reduce, barrier) until
 `trainer.dist_timeout_s` ends the job with an error. Without this the job would sit silently until then.
 
@@ -28,7 +31,7 @@ class HangWatch:
         self.rank, self.report_after_s, self.world_size = rank, report_after_s, world_size
         self.store = _launch_store() if world_size > 1 else None
         self.last_beat: float | None = None  # armed by the first beat
-        self.step = 0
+        self.step, self.doing = 0, None
         self.reported = False
         self.stopped = threading.Event()
         threading.Thread(target=self._watch, name="hang-watch", daemon=True).start()
@@ -39,7 +42,13 @@ class HangWatch:
 
     def beat(self, step: int) -> None:
         """The loop made progress (a step finished, or its evaluation and checkpoint)."""
-        self.last_beat, self.step, self.reported = time.monotonic(), step, False
+        self.last_beat, self.step, self.doing, self.reported = time.monotonic(), step, None, False
+
+    def alive(self, doing: str) -> None:
+        """Long work between optimizer steps progressed (an evaluation batch, a sample, a part of a save): this
+        rank is busy, not stuck. Before the first step, nothing is watched yet."""
+        if self.last_beat is not None:
+            self.last_beat, self.doing, self.reported = time.monotonic(), doing, False
 
     def _watch(self) -> None:
         self._tell_the_others()
@@ -59,8 +68,10 @@ class HangWatch:
             if ident == threading.get_ident():
                 continue  # this watcher
             stacks.append(f"Thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
+        doing = f", the last progress: {self.doing}" if self.doing else ""
         return (f"HANG? rank {self.rank} (pid {os.getpid()} on {socket.gethostname()}): no optimizer step finished "
-                f"for {stalled:.0f} s after step {self.step} (trainer.hang_report_s={self.report_after_s:g}). "
+                f"and nothing progressed for {stalled:.0f} s after step {self.step}{doing} "
+                f"(trainer.hang_report_s={self.report_after_s:g}). "
                 f"A rank that prints no such report is the one that stopped.{self._others()} Stacks of this rank's "
                 f"threads:\n" + "\n".join(stacks))
 

@@ -8,6 +8,7 @@ import torch
 from accelerate import Accelerator
 from omegaconf import DictConfig
 
+from src.launch.memory import gib, memory_per_rank, state_of_run
 from src.launch.settings import LaunchSettings
 from src.launcher import launched_world_size
 
@@ -36,6 +37,8 @@ def describe_launch(accelerator: Accelerator, cfg: DictConfig, settings: LaunchS
         "model": cfg.model._target_ + (f" (started from the weights of {cfg.trainer.init_weights})"
                                        if cfg.trainer.get("init_weights") else ""),
         "parameters": _parameters(accelerator.unwrap_model(model)),
+        "model state": state_of_run(accelerator, model, cfg).describe(),
+        "memory per rank": _memory(accelerator),
         "data": cfg.data._target_,
         "objective": cfg.objective._target_,
         "command": " ".join(sys.argv),
@@ -49,6 +52,11 @@ def _parameters(model: torch.nn.Module) -> str:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return f"{total:,} ({trainable:,} trainable, {100 * trainable / max(total, 1):.2f}%)"
+
+
+def _memory(accelerator: Accelerator) -> str:
+    available, what = memory_per_rank(accelerator.device)
+    return f"{gib(available)} ({what})" if available is not None else what
 
 
 def _nodes() -> int:

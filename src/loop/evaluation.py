@@ -2,6 +2,7 @@
 
 import logging
 from collections import defaultdict
+from typing import Callable
 
 import torch
 from accelerate import Accelerator
@@ -13,9 +14,10 @@ log = logging.getLogger("train")  # its lines are the training log's
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, forward: Forward) -> dict[str, float]:
+def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, forward: Forward,
+             progress: Callable[[str], None] = lambda doing: None) -> dict[str, float]:
     """Each metric the objective reports, averaged over the whole validation set with its own weights (samples
-    or tokens), and how many samples that was.
+    or tokens), and how many samples that was. `progress` hears of every batch (the hang watch).
 
     Per-sample sums and weights go through `gather_for_metrics`, which drops the samples accelerate duplicated
     to even out the last batch across ranks (a per-batch mean would silently keep one rank's value there).
@@ -24,7 +26,8 @@ def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, forward: 
     model.eval()
     # Summed in float64 on the CPU: exact enough that 1 and N processes agree to ~1e-12, and MPS has no float64.
     sums, weights, samples = defaultdict(float), defaultdict(float), 0
-    for batch in loader:
+    for i, batch in enumerate(loader):
+        progress(f"evaluation batch {i + 1}")
         inputs, targets = split_batch(batch, forward.objective.target_key)
         per_sample = accelerator.gather_for_metrics(forward.metrics(model, inputs, targets))
         for name, (values, weight) in per_sample.items():
@@ -38,13 +41,14 @@ def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, forward: 
 
 
 def evaluate_run(model: torch.nn.Module, ema, loader, accelerator: Accelerator, forward: Forward,
-                 step: int) -> dict[str, float]:
+                 step: int, progress: Callable[[str], None] = lambda doing: None) -> dict[str, float]:
     """The run's evaluation at optimizer step `step`: the model's metrics as eval/*, with trainer.ema_decay its
     average's as eval_ema/*, logged to the trackers and the log."""
-    metrics = {f"eval/{k}": v for k, v in evaluate(model, loader, accelerator, forward).items()}
+    metrics = {f"eval/{k}": v for k, v in evaluate(model, loader, accelerator, forward, progress).items()}
     if ema is not None:
         with accelerator.autocast():  # the prepared model's precision; the copy was not prepared
-            ema_metrics = evaluate(ema.module, loader, accelerator, forward)
+            ema_metrics = evaluate(ema.module, loader, accelerator, forward,
+                                   lambda doing: progress(f"the EMA's {doing}"))
         metrics.update({f"eval_ema/{k}": v for k, v in ema_metrics.items() if k != "samples"})
     accelerator.log(metrics, step=step)
     log.info("step %d: %s", step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
@@ -57,10 +61,10 @@ class Evaluation:
     time is not step time (telemetry's "evaluation" phase)."""
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, ema, loader, forward: Forward, trainer,
-                 telemetry):
+                 telemetry, progress: Callable[[str], None] = lambda doing: None):
         self.accelerator, self.model, self.ema, self.loader, self.forward = accelerator, model, ema, loader, forward
         self.every, self.max_steps, self.on_start_too = trainer.eval_every, trainer.max_steps, trainer.eval_on_start
-        self.telemetry = telemetry
+        self.telemetry, self.progress = telemetry, progress  # progress: the hang watch hears of every batch
         self.last: dict[str, float] = {}  # the newest evaluation's metrics (the run's summary)
 
     def due(self, step: int) -> bool:
@@ -73,5 +77,6 @@ class Evaluation:
 
     def __call__(self, step: int) -> dict[str, float]:
         with self.telemetry.phase("evaluation"):
-            self.last = evaluate_run(self.model, self.ema, self.loader, self.accelerator, self.forward, step)
+            self.last = evaluate_run(self.model, self.ema, self.loader, self.accelerator, self.forward, step,
+                                     self.progress)
         return self.last

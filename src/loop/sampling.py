@@ -7,7 +7,7 @@ the weights of a run that does not.
 """
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -18,16 +18,21 @@ log = logging.getLogger(__name__)
 
 
 def sample_texts(model: torch.nn.Module, codec: Codec, prompts: list[str], max_new_tokens: int,
-                 temperature: float, top_k: Optional[int], seed: int, block_size: int) -> list[str]:
-    """Each prompt followed by max_new_tokens sampled tokens, as text."""
+                 temperature: float, top_k: Optional[int], seed: int, block_size: int,
+                 progress: Callable[[str], None] = lambda doing: None) -> list[str]:
+    """Each prompt followed by max_new_tokens sampled tokens, as text; `progress` hears of each prompt."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
             torch.manual_seed(seed)
-            return [codec.decode(_continuation(model, codec.encode(prompt), max_new_tokens, temperature, top_k,
-                                               block_size, device)) for prompt in prompts]
+            texts = []
+            for i, prompt in enumerate(prompts):
+                progress(f"sampling prompt {i + 1} of {len(prompts)}")
+                texts.append(codec.decode(_continuation(model, codec.encode(prompt), max_new_tokens, temperature,
+                                                        top_k, block_size, device)))
+            return texts
     finally:
         model.train(was_training)
 
@@ -51,8 +56,10 @@ class Sampler:
     """trainer.sample_every: at those steps rank 0 continues each of trainer.sample_prompts with the weights
     being trained. What cannot sample is refused before the run starts."""
 
-    def __init__(self, accelerator, trainer, codec: Optional[Codec], model: torch.nn.Module, block_size: int):
+    def __init__(self, accelerator, trainer, codec: Optional[Codec], model: torch.nn.Module, block_size: int,
+                 progress: Callable[[str], None] = lambda doing: None):
         self.accelerator, self.trainer, self.codec, self.block_size = accelerator, trainer, codec, block_size
+        self.progress = progress  # the hang watch hears of every prompt
         self.every = trainer.sample_every
         if not self.every:
             return
@@ -80,7 +87,7 @@ class Sampler:
         with self.accelerator.autocast():
             texts = sample_texts(self.accelerator.unwrap_model(model, keep_torch_compile=False), self.codec,
                                  list(trainer.sample_prompts), trainer.sample_tokens, trainer.sample_temperature,
-                                 trainer.sample_top_k, trainer.seed, self.block_size)
+                                 trainer.sample_top_k, trainer.seed, self.block_size, self.progress)
         # TensorBoard only: the other trackers take numbers (MLflow drops text with a warning per value).
         tensorboard = [t for t in self.accelerator.trackers if t.name == "tensorboard"]
         for i, text in enumerate(texts):

@@ -60,8 +60,9 @@ class TrainerConfig:
                                                   "fingerprint; its position then restarts at an epoch boundary")] = False
     run_dir_lease_s: Annotated[float, Arg("a run holds its run dir (.run.lock, touched every lease/4); a holder silent "
                                           "this long is taken over, e.g. after its node was lost", gt=0)] = 60.0
-    hang_report_s: Annotated[float, Arg("no optimizer step finished for this long: every live rank logs its "
-                                        "threads' stacks (before dist_timeout_s ends the run)", gt=0)] = 300.0
+    hang_report_s: Annotated[float, Arg("nothing progressed for this long (no step, evaluation batch, sample or save "
+                                        "part): every live rank logs its threads' stacks (before dist_timeout_s "
+                                        "ends the run)", gt=0)] = 300.0
     early_stopping_patience: Annotated[Optional[int], Arg(
         "stop after this many evaluations in a row without improving trainer.monitor (null: never)", ge=1)] = None
     early_stopping_min_delta: Annotated[float, Arg(
