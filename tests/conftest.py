@@ -123,6 +123,15 @@ def run(args: list[str], script: str = "train.py", nproc: int = 1, launcher: str
     return subprocess.CompletedProcess(proc.args, proc.returncode, output)
 
 
+def refused(proc: subprocess.CompletedProcess, *names: str) -> None:
+    """A refusal as a user meets it: exit status 1, no traceback, and each of `names` (the keys, files or values
+    it is about, and what it suggests) in what was printed. The sentence around them is free to change."""
+    assert proc.returncode == 1, f"exit status {proc.returncode}:\n{proc.stdout[-3000:]}"
+    assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    missing = [name for name in names if name not in proc.stdout]
+    assert not missing, f"not named: {missing}\n{proc.stdout[-3000:]}"
+
+
 def launchers_root_cause(output: str) -> str:
     """The end of the table of failed ranks that torchrun and `accelerate launch` print last."""
     assert "Root Cause (first observed failure)" in output, output[-4000:]

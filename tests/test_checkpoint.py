@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from src.optim.schedules import warmup_cosine
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, kill_when, max_abs_diff, run, scalars
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, kill_when, max_abs_diff, refused, run, scalars
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +101,7 @@ def test_resuming_with_another_global_batch_is_refused_naming_the_accumulation_t
     fork = tmp_path / "fork"
     checkpoint = uninterrupted_global_batch_8 / "checkpoints" / "step_00000030"
     proc = run([*global_batch_8_args(two_epoch_text), f"resume={checkpoint}", f"hydra.run.dir={fork}"], check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stdout
-    assert (f"Cannot resume {checkpoint} with another global batch: it was trained with 8 samples per optimizer step "
-            "(data.batch_size=4 x 2 process(es) x trainer.gradient_accumulation_steps=1), this launch has 4 "
-            "(data.batch_size=4 x 1 process(es) x trainer.gradient_accumulation_steps=1). "
-            "trainer.gradient_accumulation_steps=2 keeps it on 1 process(es).") in proc.stdout
+    refused(proc, str(checkpoint), "8 samples", "4 (", "trainer.gradient_accumulation_steps=2")  # what keeps it
     assert not any(fork.rglob("*.safetensors"))
 
 
@@ -177,9 +173,7 @@ def finished_run(finished_run_original, tmp_path) -> Path:
 def test_a_new_run_into_an_occupied_run_dir_is_refused_and_changes_no_file(finished_run):
     before = snapshot(finished_run)
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", f"hydra.run.dir={finished_run}"], check=False)
-    assert proc.returncode != 0
-    assert "already holds a run" in proc.stdout and "resume=auto" in proc.stdout
-    assert "Traceback" not in proc.stdout
+    refused(proc, str(finished_run), "resume=auto", "hydra.run.dir=")
     assert snapshot(finished_run) == before
 
 
@@ -187,15 +181,13 @@ def test_resume_refuses_an_override_that_changes_the_model_and_changes_no_file(f
     before = snapshot(finished_run)
     proc = run([*TINY_GPT, *QUIET, "model.n_layer=3", "trainer.max_steps=6", "resume=auto",
                 f"hydra.run.dir={finished_run}"], check=False)
-    assert proc.returncode != 0
-    assert "model.n_layer=3 (the checkpoint has 2)" in proc.stdout
+    refused(proc, "model.n_layer=3", "2)")
     assert snapshot(finished_run) == before
 
 
 def test_resume_refuses_an_experiment_that_changes_the_setup(finished_run):
     proc = run([*QUIET, "experiment=cifar10_resnet", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
-    assert proc.returncode != 0
-    assert "Cannot resume" in proc.stdout and "model._target_=src.models.resnet.ResNet" in proc.stdout
+    refused(proc, "model._target_=src.models.resnet.ResNet")
 
 
 def test_resume_accepts_and_logs_a_longer_max_steps_and_keeps_the_schedule_it_started_with(tmp_path):
@@ -220,9 +212,7 @@ def test_resume_from_a_truncated_checkpoint_names_the_file(finished_run):
     optimizer_file = finished_run / "checkpoints" / "step_00000006" / "optimizer.bin"
     optimizer_file.write_bytes(optimizer_file.read_bytes()[:1000])
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
-    assert proc.returncode != 0
-    assert f"checkpoint file {optimizer_file} is corrupt or truncated" in proc.stdout
-    assert "Traceback" not in proc.stdout
+    refused(proc, str(optimizer_file), "resume=PATH")
 
 
 def test_resume_from_a_checkpoint_corrupted_mid_file_names_the_file(finished_run):
@@ -237,8 +227,7 @@ def test_resume_from_a_checkpoint_corrupted_mid_file_names_the_file(finished_run
     data[start : start + 16] = b"\xff" * 16
     optimizer_file.write_bytes(bytes(data))
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
-    assert proc.returncode != 0
-    assert f"checkpoint file {optimizer_file} is corrupt or truncated (CRC mismatch)" in proc.stdout
+    refused(proc, str(optimizer_file), "CRC mismatch")
 
 
 def test_resume_from_a_checkpoint_whose_model_shape_differs_names_the_tensor_and_changes_no_file(finished_run):
@@ -249,17 +238,14 @@ def test_resume_from_a_checkpoint_whose_model_shape_differs_names_the_tensor_and
     save_file(weights, model_file, metadata={"format": "pt"})
     before = snapshot(finished_run)
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stdout
-    assert (f"checkpoint {model_file.parent} does not fit the model its config builds: size mismatch for "
-            "blocks.0.attn.proj.weight: copying a param with shape torch.Size([31, 32]) from checkpoint, the shape in "
-            "current model is torch.Size([32, 32]). The model's code has changed") in proc.stdout
+    refused(proc, str(model_file.parent), "blocks.0.attn.proj.weight", "torch.Size([31, 32])", "torch.Size([32, 32])")
     assert snapshot(finished_run) == before
 
 
 def test_resume_without_the_rank_rng_state_fails_loudly(finished_run):
     (finished_run / "checkpoints" / "step_00000006" / "random_states_0.pkl").unlink()
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
-    assert proc.returncode != 0 and "random_states_0.pkl is missing" in proc.stdout
+    refused(proc, str(finished_run / "checkpoints" / "step_00000006" / "random_states_0.pkl"))
 
 
 def test_resume_from_an_explicit_checkpoint_path_continues_into_a_new_run_dir(finished_run, tmp_path):

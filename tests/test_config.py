@@ -16,7 +16,7 @@ from src.schema.build import build
 from src.schema.complete import complete_config
 from src.schema.signature import locate, schema_of
 from src.schema.trainer import TrainerConfig
-from tests.conftest import QUIET, ROOT, TINY_GPT, run
+from tests.conftest import QUIET, ROOT, TINY_GPT, refused, run
 
 CONFIG_DIR = ROOT / "config"
 GROUPS = ("model", "data", "objective", "optimizer", "scheduler")
@@ -192,16 +192,13 @@ def test_a_refusal_that_suggests_a_key_or_a_value_is_accepted_when_it_is_typed(o
     assert str(OmegaConf.select(cfg, key)) == value
 
 
-@pytest.mark.parametrize("overrides, message", [  # one check within a group, one across groups
-    (["trainer.max_stepz=5"], "trainer.max_stepz: src.schema.trainer.TrainerConfig has no parameter 'max_stepz'"),
-    (["model=resnet"], "but data=text (src.data.text.TextData) provides only: vocab_size"),
+@pytest.mark.parametrize("overrides, names", [  # one check within a group, one across groups
+    (["trainer.max_stepz=5"], ["trainer.max_stepz", "trainer.max_steps?"]),
+    (["model=resnet"], ["model.num_classes", "data=text", "vocab_size"]),
 ])
-def test_a_bad_value_stops_a_real_launch_before_its_run_dir_exists(tmp_path, overrides, message):
+def test_a_bad_value_stops_a_real_launch_before_its_run_dir_exists(tmp_path, overrides, names):
     run_dir = tmp_path / "run"
-    proc = run([*overrides, f"hydra.run.dir={run_dir}"], check=False, timeout=60)
-    assert proc.returncode != 0
-    assert message in proc.stdout, proc.stdout
-    assert "Traceback" not in proc.stdout
+    refused(run([*overrides, f"hydra.run.dir={run_dir}"], check=False, timeout=60), *names)
     assert not run_dir.exists()
 
 
@@ -219,8 +216,8 @@ def test_a_config_warning_is_printed_once_however_many_processes_check_the_confi
 
 def test_a_mistake_found_while_building_names_it_and_leaves_no_run_dir(tmp_path):
     proc = run(["data.path=no/such/file.txt", f"hydra.run.dir={tmp_path / 'run'}"], check=False, timeout=60)
-    assert proc.returncode != 0 and "data.path='no/such/file.txt': no such file" in proc.stdout
-    assert "Traceback" not in proc.stdout and not (tmp_path / "run").exists()
+    refused(proc, "data.path='no/such/file.txt'")
+    assert not (tmp_path / "run").exists()
 
 
 def test_fp16_without_cuda_is_refused_before_the_run_starts(tmp_path):
@@ -229,8 +226,7 @@ def test_fp16_without_cuda_is_refused_before_the_run_starts(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA, where fp16 is valid")
     proc = run(["trainer.mixed_precision=fp16", f"hydra.run.dir={tmp_path / 'run'}"], check=False, timeout=60)
-    assert proc.returncode != 0
-    assert "mixed precision fp16 (config: trainer.mixed_precision) needs a CUDA GPU" in proc.stdout
+    refused(proc, "trainer.mixed_precision", "fp16", "bf16")  # the key, the value, what to use instead
     assert not (tmp_path / "run").exists()
 
 

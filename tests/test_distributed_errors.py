@@ -7,7 +7,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from src.errors import DistributedFailure, UsageError, told_to_the_launcher
 from src.faults.distributed_errors import lost_ranks_in_our_words
-from tests.conftest import QUIET, TINY_GPT, launchers_root_cause, run
+from tests.conftest import QUIET, TINY_GPT, launchers_root_cause, refused, run
 
 
 def test_a_multi_process_launch_refused_before_training_ends_with_its_reason_in_the_launchers_table(tmp_path):
@@ -16,7 +16,7 @@ def test_a_multi_process_launch_refused_before_training_ends_with_its_reason_in_
     failed = run(["trainer.max_steps=0", f"hydra.run.dir={tmp_path / 'run'}"], nproc=2, check=False)
     assert failed.returncode != 0
     root_cause = launchers_root_cause(failed.stdout)
-    assert "trainer.max_steps=0 is out of range: must be >= 1" in root_cause, failed.stdout[-4000:]
+    assert "trainer.max_steps=0" in root_cause and ">= 1" in root_cause, failed.stdout[-4000:]
     assert "To enable traceback see" not in root_cause
     assert not (tmp_path / "run").exists()  # refused before the run dir, as on one process
 
@@ -40,7 +40,7 @@ def test_a_parameter_without_gradient_under_ddp_is_named_with_the_key_that_allow
             "model._target_=tests.components.WithUnusedHead"]
     failed = run([*args, f"hydra.run.dir={tmp_path / 'strict'}"], nproc=2, check=False)
     assert failed.returncode != 0
-    assert "these got none (rank 0): unused_head.weight, unused_head.bias" in failed.stdout, failed.stdout[-4000:]
+    assert "unused_head.weight, unused_head.bias" in failed.stdout, failed.stdout[-4000:]
     assert "trainer.ddp_find_unused_parameters=true" in failed.stdout
     assert "Expected to have finished reduction" not in failed.stdout  # torch's wording, and its find_unused_parameters
     assert "unused_head.weight" in launchers_root_cause(failed.stdout), failed.stdout[-4000:]
@@ -56,9 +56,7 @@ def test_a_main_port_in_use_is_named_with_the_ways_to_choose_another(tmp_path):
         env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(port)}
         failed = run([*TINY_GPT, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}"], check=False, env=env)
-    assert failed.returncode == 1
-    assert f"the main port {port} on 127.0.0.1 is already in use" in failed.stdout, failed.stdout[-3000:]
-    assert "--master_port for torchrun" in failed.stdout and "Traceback" not in failed.stdout
+    refused(failed, str(port), "MASTER_PORT=", "--main_process_port", "--master_port")
 
 
 @pytest.mark.parametrize("gloo_says, why", [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.conftest import EVAL_BOUND, QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+from tests.conftest import EVAL_BOUND, QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, refused, run, scalars
 
 SHORT = [*TINY_GPT, *QUIET, "data.batch_size=8", "trainer.monitor=null"]
 
@@ -70,12 +70,9 @@ def test_early_stopping_stops_every_rank_together_says_why_and_stays_stopped_on_
 
 
 def test_early_stopping_needs_a_monitored_metric_and_evaluations(tmp_path):
-    for args, message in (
-        (["trainer.monitor=null"], "trainer.early_stopping_patience needs trainer.monitor"),
-        (["trainer.eval_every=0"], "trainer.early_stopping_patience needs trainer.eval_every > 0"),
-    ):
+    for args, needed in ((["trainer.monitor=null"], "trainer.monitor"), (["trainer.eval_every=0"], "trainer.eval_every")):
         proc = run(["trainer.early_stopping_patience=3", *args, f"hydra.run.dir={tmp_path / 'r'}"], check=False)
-        assert proc.returncode != 0 and message in proc.stdout and "Traceback" not in proc.stdout
+        refused(proc, "trainer.early_stopping_patience", needed)
         assert not (tmp_path / "r").exists()
 
 
@@ -109,7 +106,7 @@ def test_max_epochs_trains_whole_epochs_and_the_schedule_ends_with_them(tmp_path
 
 def test_max_steps_and_max_epochs_together_are_refused(tmp_path):
     proc = run(["trainer.max_epochs=2", "trainer.max_steps=100", f"hydra.run.dir={tmp_path / 'r'}"], check=False)
-    assert proc.returncode != 0 and "give one of them" in proc.stdout and "trainer.max_steps=null" in proc.stdout
+    refused(proc, "trainer.max_epochs", "trainer.max_steps=null")
     assert not (tmp_path / "r").exists()
 
 
@@ -120,8 +117,8 @@ def test_scale_lr_scales_the_learning_rate_by_the_global_batch_and_logs_it(tmp_p
     # global batch 8 x 2 = 16 samples, reference 2: sqrt(8) x 1e-3
     assert "optimizer.scale_lr=sqrt: global batch 16 / reference 2" in proc.stdout
     assert abs(scalars(tmp_path / "run", "train/lr")[2] - 8**0.5 * 1e-3) < 1e-9
-    refused = run(["optimizer.scale_lr=linear", f"hydra.run.dir={tmp_path / 'r'}"], check=False)
-    assert refused.returncode != 0 and "optimizer.scale_lr=linear needs optimizer.reference_batch" in refused.stdout
+    refused(run(["optimizer.scale_lr=linear", f"hydra.run.dir={tmp_path / 'r'}"], check=False),
+            "optimizer.scale_lr=linear", "optimizer.reference_batch")
 
 
 def test_deterministic_runs_with_dropout_give_bitwise_equal_weights(tmp_path):
@@ -220,8 +217,7 @@ def test_a_slurm_sweep_with_several_tasks_per_node_is_refused_before_anything_is
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="optional: pip install -r requirements-extras.txt")
     proc = run(["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2", "optimizer.lr=1e-3,3e-3",
                 f"hydra.sweep.dir={tmp_path / 'sweep'}"], check=False)
-    assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
-    assert "hydra.launcher.tasks_per_node=2: must be 1" in proc.stdout and "PROCS_PER_NODE" in proc.stdout
+    refused(proc, "hydra.launcher.tasks_per_node=2", "PROCS_PER_NODE")
     assert not (tmp_path / "sweep").exists()
 
 
@@ -320,13 +316,13 @@ def test_init_weights_starts_a_new_run_from_another_runs_export_or_checkpoint_an
     assert sorted(scalars(tmp_path / "from_export", "train/loss")) == list(range(1, 7))
 
 
-@pytest.mark.parametrize("case, message", [
-    ("another model", "does not fit the model its config builds: Missing key(s) in state_dict: \"blocks.2."),
-    ("another vocabulary", "those weights were trained on another vocabulary than this run's data has"),
-    ("not a model folder", "model.safetensors is missing; give another run's exported model (RUN/model)"),
-    ("a truncated file", "model.safetensors is corrupt or truncated"),
+@pytest.mark.parametrize("case, names", [  # besides trainer.init_weights=PATH itself
+    ("another model", ["blocks.2."]),  # a tensor the saved weights lack
+    ("another vocabulary", ["data.tokenizer", "data.level"]),  # the keys that tokenize as that run did
+    ("not a model folder", ["model.safetensors", "RUN/model"]),
+    ("a truncated file", ["model.safetensors"]),
 ])
-def test_init_weights_that_cannot_serve_this_run_are_refused_before_training(tmp_path, trained_run, case, message):
+def test_init_weights_that_cannot_serve_this_run_are_refused_before_training(tmp_path, trained_run, case, names):
     other_text = tmp_path / "other.txt"  # 65 characters like tiny Shakespeare's, a digit in place of its '3'
     other_text.write_text("".join(sorted(set((ROOT / "data" / "tinyshakespeare.txt").read_text()) - {"3"})) * 1000
                           + "0")
@@ -337,5 +333,5 @@ def test_init_weights_that_cannot_serve_this_run_are_refused_before_training(tmp
             "another vocabulary": [f"data.path={other_text}", f"trainer.init_weights={trained_run / 'model'}"],
             "not a model folder": [f"trainer.init_weights={trained_run}"]}[case]
     proc = run([*FROM_SCRATCH, "trainer.max_steps=2", *args, f"hydra.run.dir={tmp_path / 'run'}"], check=False)
-    assert proc.returncode != 0 and message in proc.stdout and "Traceback" not in proc.stdout, proc.stdout[-2000:]
+    refused(proc, args[-1], *names)
     assert not (tmp_path / "run" / "checkpoints").exists()
