@@ -103,6 +103,9 @@ def test_resuming_with_another_global_batch_is_refused_naming_the_accumulation_t
     proc = run([*global_batch_8_args(two_epoch_text), f"resume={checkpoint}", f"hydra.run.dir={fork}"], check=False)
     refused(proc, str(checkpoint), "8 samples", "4 (", "trainer.gradient_accumulation_steps=2")  # what keeps it
     assert not any(fork.rglob("*.safetensors"))
+    typed = run([*global_batch_8_args(two_epoch_text), f"resume={checkpoint}", "trainer.gradient_accumulation_steps=2",
+                 "trainer.max_steps=31", f"hydra.run.dir={fork}"])  # the suggestion, as a user types it
+    assert "resumed from" in typed.stdout
 
 
 def test_resume_reproduces_augmented_image_training_with_loader_workers(tmp_path, cifar_root):
@@ -175,6 +178,7 @@ def test_a_new_run_into_an_occupied_run_dir_is_refused_and_changes_no_file(finis
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", f"hydra.run.dir={finished_run}"], check=False)
     refused(proc, str(finished_run), "resume=auto", "hydra.run.dir=")
     assert snapshot(finished_run) == before
+    run([*TINY_GPT, *QUIET, "trainer.max_steps=6", "resume=auto", f"hydra.run.dir={finished_run}"])  # as suggested
 
 
 def test_resume_refuses_an_override_that_changes_the_model_and_changes_no_file(finished_run):

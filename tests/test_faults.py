@@ -92,6 +92,20 @@ def test_a_nonfinite_evaluation_is_reported_and_never_becomes_the_best_checkpoin
     assert summary["best"]["step"] is None and math.isnan(summary["final_metrics"]["eval/loss"])
 
 
+def end_launch(proc, stopped_worker=None) -> None:
+    """SIGKILL a worker a test stopped (it cannot act on the launcher's SIGTERM) and the launch, if still there."""
+    import os
+    import signal
+
+    if stopped_worker:
+        try:
+            os.kill(stopped_worker, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_nonzero_within_the_timeout(tmp_path):
     import os
     import signal
@@ -128,13 +142,7 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
         assert f"trainer.dist_timeout_s=10 s passed. Not answering: rank 1 (pid {stopped}" in output
         assert "RuntimeError: [" not in output
     finally:
-        if stopped:
-            try:
-                os.kill(stopped, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_launch(proc, stopped)
 
 
 def test_a_long_evaluation_is_no_hang_but_a_rank_stopped_inside_one_is_reported(tmp_path):
@@ -169,13 +177,7 @@ def test_a_long_evaluation_is_no_hang_but_a_rank_stopped_inside_one_is_reported(
         assert "the last progress: evaluation batch" in reports[0], reports[0]
         assert "step 2: eval/loss=" in output, output[-3000:]  # the first evaluation ran to its end, unreported
     finally:
-        if stopped:
-            try:
-                os.kill(stopped, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_launch(proc, stopped)
 
 
 def test_workers_stop_when_their_launcher_is_killed_instead_of_training_on_orphaned(tmp_path):
