@@ -356,6 +356,70 @@ def test_a_conversation_is_rendered_by_the_chat_template_and_trains_on_the_assis
         JsonlData(path=str(write_pairs(tmp_path, CHATS)), prompt_key="prompt", block_size=48, batch_size=4)
 
 
+# The same rendering, its assistant turns marked for transformers' return_assistant_tokens_mask.
+MARKED_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}{% generation %}"
+                   "{{ m['content'] }}\n{% endgeneration %}{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
+                   "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+DIALOGUES = [{"messages": [{"role": "system", "content": "Answer as Shakespeare."},
+                           {"role": "user", "content": f"Who speaks in scene {i}?"},
+                           {"role": "assistant", "content": f"ROMEO, in scene {i}."},
+                           {"role": "user", "content": "And then?"},
+                           {"role": "assistant", "content": f"JULIET, {i} lines later."}]} for i in range(40)]
+
+
+def with_chat_template(folder: Path, pretrained: Path, template: str) -> Path:
+    folder.mkdir()
+    for file in pretrained.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder
+
+
+def test_a_multi_turn_conversation_trains_on_every_assistant_turn_as_transformers_marks_them(tmp_path, pretrained):
+    """A document given as messages trains on each assistant turn and nothing else: with a template that marks
+    them, exactly transformers' return_assistant_tokens_mask; without marks, the text each assistant turn adds to
+    the conversation before it, which here is the same tokens."""
+    from src.data.hf_dataset import HFDataset
+    from src.data.jsonl import IGNORE_INDEX, JsonlData
+
+    marked = with_chat_template(tmp_path / "marked", pretrained, MARKED_TEMPLATE)
+    plain = with_chat_template(tmp_path / "plain", pretrained, CHAT_TEMPLATE)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(marked)
+    reference = tokenizer.apply_chat_template(DIALOGUES[0]["messages"], tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True)
+    expected_ids = list(reference["input_ids"])
+    expected_labels = [i if m else IGNORE_INDEX for i, m in zip(expected_ids, reference["assistant_masks"])]
+    assert sum(reference["assistant_masks"]) > 0 and not all(reference["assistant_masks"])
+    path = write_pairs(tmp_path, DIALOGUES)
+    for folder in (marked, plain):
+        data = JsonlData(path=str(path), text_key="messages", tokenizer=str(folder), block_size=128, batch_size=4)
+        assert data.train[0]["input_ids"].tolist() == expected_ids
+        assert data.train[0]["labels"].tolist() == expected_labels, folder.name
+    trained = tokenizer.decode([i for i in expected_labels if i != IGNORE_INDEX])
+    assert trained == "ROMEO, in scene 0.\nJULIET, 0 lines later.\n"  # both turns, nothing of the user's
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(DIALOGUES).to_parquet(str(tmp_path / "dialogues.parquet"))
+    rows = HFDataset(path=str(tmp_path / "dialogues.parquet"), text_column="messages", tokenizer=str(plain),
+                     block_size=128, batch_size=4)
+    assert rows.train[0]["labels"].tolist() == expected_labels
+
+
+def test_a_conversation_whose_template_hides_its_turns_is_refused_naming_the_generation_marks(tmp_path, pretrained):
+    """A template that renders a past assistant turn otherwise than a new one (here it drops earlier answers)
+    gives no way to tell which tokens are the assistant's: refused, naming what would."""
+    from src.data.jsonl import JsonlData
+
+    forgetful = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<|{{ m['role'] }}|>"
+                 "{{ m['content'] }}\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    folder = with_chat_template(tmp_path / "forgetful", pretrained, forgetful)
+    with pytest.raises(UsageError, match=r"\{% generation %\}"):
+        JsonlData(path=str(write_pairs(tmp_path, DIALOGUES)), text_key="messages", tokenizer=str(folder),
+                  block_size=128, batch_size=4)
+    with pytest.raises(UsageError, match=r"data.tokenizer"):  # no template at all
+        JsonlData(path=str(write_pairs(tmp_path, DIALOGUES)), text_key="messages", block_size=128, batch_size=4)
+
+
 def suggested_overrides(output: str) -> list[str]:
     """The `key=VALUE` overrides a refusal's message suggests after its "give", typed as a user would copy them
     (PATH placeholders aside). The message is the line after Hydra's "Error executing job"."""

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size
-from src.data.jsonl import IGNORE_INDEX, pad_right, prompted, warn_untrained
+from src.data.jsonl import IGNORE_INDEX, conversation, pad_right, prompted, warn_untrained
 from src.data.tokenizer import codec_for
 from src.errors import UsageError
 from src.models.hub import dataset_path
@@ -134,6 +134,11 @@ class HFDataset(DataModule):
             identity.update(str(part).encode())
 
         def tokenize(batch: dict) -> dict:
+            if prompt_column is None and any(isinstance(text, list) for text in batch[text_column]):
+                samples = [conversation(codec, text) for text in batch[text_column] if text]  # assistant turns
+                ids, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
+                return _packed(ids, labels, block_size, mask_boundaries) if packing else {"input_ids": ids,
+                                                                                          "labels": labels}
             if prompt_column is None:
                 ids = [codec.encode(text) for text in batch[text_column] if text]
                 return _packed(ids, ids, block_size, mask_boundaries) if packing else {"input_ids": ids}

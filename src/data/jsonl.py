@@ -61,6 +61,17 @@ def prompted(codec, prompt, completion) -> tuple[list[int], list[int]]:
     return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
 
 
+def conversation(codec, messages: list) -> tuple[list[int], list[int]]:
+    """A whole conversation (a list of {role, content} messages) as one sample, rendered by the tokenizer's chat
+    template, trained on every assistant turn and nothing else (TRL's assistant_only_loss): the other tokens'
+    labels are -100."""
+    if codec.chat is None:
+        raise UsageError("data: a document given as a list of messages needs a tokenizer with a chat template "
+                         "(tokenizer_config.json's chat_template); data.tokenizer names one without")
+    ids, assistant = codec.chat.assistant_tokens(messages)
+    return ids, [i if mine else IGNORE_INDEX for i, mine in zip(ids, assistant)]
+
+
 def chat_texts(codec, prompt: list, completion: list) -> tuple[str, str]:
     """The conversation as the chat template renders it, cut where the completion starts: the prompt's text ends
     with the template's cue for the assistant's turn (add_generation_prompt), as it will at inference."""
@@ -134,6 +145,10 @@ class JsonlData(DataModule):
         self.codec = codec_for(tokenizer, [t for t in texts + prompts if isinstance(t, str)])
         if prompt_key:  # the completion must not be empty; the prompt may be
             samples = [prompted(self.codec, prompt or "", text) for prompt, text in zip(prompts, texts) if text]
+            documents, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
+            warn_untrained(labels, block_size, str(file))
+        elif any(isinstance(text, list) for text in texts):  # conversations: the loss on the assistant's turns
+            samples = [conversation(self.codec, text) for text in texts if text]
             documents, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
             warn_untrained(labels, block_size, str(file))
         else:

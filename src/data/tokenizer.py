@@ -9,6 +9,7 @@ transformers (requirements-extras.txt).
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -140,12 +141,48 @@ class ChatTemplate:
         return cls(folder, json.dumps(template)) if template else None
 
     def __call__(self, messages: list, add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    @property
+    def tokenizer(self):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.folder)
-        return self._tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                                   add_generation_prompt=add_generation_prompt)
+        return self._tokenizer
+
+    def marks_generation(self) -> bool:
+        """Whether the template marks the assistant's text itself ({% generation %}), as transformers'
+        return_assistant_tokens_mask needs."""
+        return re.search(r"\{%-?\s*generation\s*-?%\}", json.loads(self.source)) is not None
+
+    def assistant_tokens(self, messages: list) -> tuple[list[int], list[bool]]:
+        """A whole conversation's token ids, and which of them are the assistant's: transformers' own mask where
+        the template marks them; otherwise every assistant turn is what the template adds when that turn follows
+        the conversation before it (rendered with the cue for the assistant's turn), each token whose characters
+        lie inside such a span. A template that renders a prefix of the conversation differently alone and
+        continued is refused: its assistant turns cannot be told apart."""
+        messages = [dict(m) for m in messages]
+        if self.marks_generation():
+            rendered = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                          return_assistant_tokens_mask=True)
+            return list(rendered["input_ids"]), [bool(m) for m in rendered["assistant_masks"]]
+        whole, spans = self(messages), []
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before, after = self(messages[:i], add_generation_prompt=True), self(messages[: i + 1])
+            if not (after.startswith(before) and whole.startswith(after)):
+                raise UsageError(
+                    "data: this chat template renders a conversation's beginning differently alone and continued "
+                    f"(at message {i + 1}, {before[-30:]!r} then {after[len(before) - 10:len(before) + 20]!r}), so "
+                    "the assistant's turns cannot be told from the rest; mark them in the template with "
+                    "{% generation %} ... {% endgeneration %}, as transformers' return_assistant_tokens_mask reads")
+            spans.append((len(before), len(after)))
+        encoded = self.tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
+        inside = [any(start <= a and b <= end for start, end in spans) and b > a for a, b in encoded["offset_mapping"]]
+        return list(encoded["input_ids"]), inside
 
 
 def end_of_text_id(file: Path, tokenizer: Any) -> Optional[int]:
