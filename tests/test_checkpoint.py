@@ -31,15 +31,18 @@ def step_dirs(run_dir: Path) -> list[str]:
     return sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
 
 
-@pytest.mark.parametrize("nproc, extra", [(1, ["data.random_offset=true"]), (2, ["data.random_windows=true"])])
+@pytest.mark.parametrize("nproc, extra, killed_extra", [
+    (1, ["data.random_offset=true"], []), (2, ["data.random_windows=true"], ["trainer.async_checkpoint=true"])])
 def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupted_run(tmp_path, small_text, nproc,
-                                                                                       extra):
-    """With data.random_offset or data.random_windows, whose windows move every epoch (the run crosses several)."""
+                                                                                       extra, killed_extra):
+    """With data.random_offset or data.random_windows, whose windows move every epoch (the run crosses several).
+    On 2 processes the killed run commits its checkpoints in the background: resumed, it is still bitwise the
+    uninterrupted run, which saved blocking."""
     max_steps = 90
     reference, resumed = tmp_path / "uninterrupted", tmp_path / "killed"
     run([*resumable_args(small_text, max_steps), *extra, f"hydra.run.dir={reference}"], nproc=nproc)
 
-    args = [*resumable_args(small_text, max_steps), *extra, f"hydra.run.dir={resumed}"]
+    args = [*resumable_args(small_text, max_steps), *extra, *killed_extra, f"hydra.run.dir={resumed}"]
     kill_when(args, nproc, ready=lambda: (resumed / "checkpoints" / "step_00000020").is_dir())
     assert not (resumed / "model").exists()  # it really died before the end
     proc = run([*args, "resume=auto"], nproc=nproc)
@@ -50,6 +53,7 @@ def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupt
     assert got == expected  # bitwise: float32 values as logged
     assert scalars(resumed, "train/lr") == scalars(reference, "train/lr")
     assert max_abs_diff(exported_weights(reference), exported_weights(resumed)) == 0
+    assert sorted(scalars(resumed, "checkpoint/blocking_s"))[-3:] == [70, 80, 90]  # how long each save held the loop
 
 
 @pytest.fixture(scope="module")

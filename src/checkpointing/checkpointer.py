@@ -9,13 +9,17 @@ checkpoint, and its saved config with the safe overrides) is decided before the 
 A save is atomic: accelerate's `save_state` writes into `checkpoints/.tmp-step_N`, our own state is added as
 JSON and safetensors (nothing of ours is pickled), every file is fsynced, and the folder is renamed into
 place, so a kill at any moment leaves the newest complete checkpoint as the one to resume from
-(src/checkpointing/layout.py).
+(src/checkpointing/layout.py). With trainer.async_checkpoint the fsync, the rename and the rotation (the
+commit) run on a thread of rank 0 while training goes on; the next save, the final one and the export wait
+for it first, and a commit that failed stops every rank there. The files themselves are still written while
+the loop waits (into the page cache): what the loop no longer waits for is the disk.
 """
 
 import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -60,6 +64,9 @@ class Checkpointer:
         self.keep_last, self.every, self.max_steps = (trainer.keep_last_checkpoints, trainer.checkpoint_every,
                                                       trainer.max_steps)
         self.monitor, self.mode, self.seed = trainer.monitor, trainer.monitor_mode, trainer.seed
+        self.in_background = bool(trainer.get("async_checkpoint"))
+        self.committing: Optional[threading.Thread] = None  # rank 0's commit in flight
+        self.commit_failed: Optional[tuple[Exception, Path]] = None
 
     @classmethod
     def for_run(cls, run, model: torch.nn.Module, ema, progress: Callable[[str], None]) -> "Checkpointer":
@@ -89,9 +96,9 @@ class Checkpointer:
             # older, so this step improves again and exports again. The other way round, a checkpoint that
             # already records this step as the best would never redo an export the kill cut short.
             self.export(self.run_dir / "model_best")
-            self.save(state)
+            self.save(state, blocking=False)
         if self.saves_at(state.step) or stopping:
-            self.save(state)
+            self.save(state, blocking=stopping or state.step >= self.max_steps)
 
     def saves_at(self, step: int) -> bool:
         """Whether step `step` saves whatever happens (periodic, final); besides, an evaluation may save the
@@ -100,6 +107,7 @@ class Checkpointer:
 
     def export_final(self) -> None:
         """The trained model (and its EMA) as plain files: RUN/model, RUN/model_ema. Every rank calls it."""
+        self.wait()
         self.export(self.run_dir / "model")
         log.info("exported the final model to %s", self.run_dir / "model")
         if self.ema is not None:
@@ -121,12 +129,24 @@ class Checkpointer:
         state.best_metric, state.best_step = value, state.step
         return True
 
-    def save(self, state: TrainState) -> Path:
-        """Every rank must call this (save_state has each rank write its RNG state)."""
+    def wait(self) -> None:
+        """Until the commit in flight is done; if it failed, every rank stops here with its cause. Every rank
+        calls it (the verdict is agreed)."""
+        if self.committing is not None:
+            self.committing.join()
+            self.committing = None
+        failure, tmp = self.commit_failed or (None, None)
+        if self.in_background:
+            self._stop_if_any_rank_failed(failure, tmp or self.root / ".tmp-unknown")
+
+    def save(self, state: TrainState, blocking: bool = True) -> Path:
+        """Every rank must call this (save_state has each rank write its RNG state). `blocking=False`, with
+        trainer.async_checkpoint: returns once every rank's files are written, committing in the background."""
+        started = time.perf_counter()
+        self.wait()
         accelerator, final = self.accelerator, self.root / step_dir_name(state.step)
         if final.exists():  # e.g. the best checkpoint and the periodic one fall on the same step
             return final
-        started = time.perf_counter()
         tmp = self.root / f".tmp-{final.name}"
         if accelerator.is_main_process:
             for stale in self.root.glob(".tmp-*"):  # left by a run killed while saving
@@ -145,13 +165,31 @@ class Checkpointer:
         accelerator.wait_for_everyone()  # every rank's files are in tmp before it becomes a checkpoint
         self.progress(f"committing checkpoint {final.name} (fsync, rename)")
         if accelerator.is_main_process:
+            best_step = state.best_step  # rotation keeps it: as it is now, not as the loop moves on
+            if blocking or not self.in_background:
+                self._commit(tmp, final, best_step, started)
+            else:
+                self.committing = threading.Thread(target=self._commit, args=(tmp, final, best_step, started),
+                                                   name=f"commit-{final.name}")
+                self.committing.start()
+        if blocking or not self.in_background:
+            accelerator.wait_for_everyone()
+        accelerator.log({"checkpoint/blocking_s": time.perf_counter() - started}, step=state.step)
+        return final
+
+    def _commit(self, tmp: Path, final: Path, best_step: Optional[int], started: float) -> None:
+        """Rank 0: every file on disk, then the rename that makes it a checkpoint, then rotation."""
+        try:
             _fsync_tree(tmp)
             tmp.rename(final)  # the commit point: atomic on POSIX filesystems
-            size_mb = _tree_size(final) / 2**20
-            log.info("saved checkpoint %s (%.1f MB) in %.2f s", final, size_mb, time.perf_counter() - started)
-            self._rotate(state)
-        accelerator.wait_for_everyone()
-        return final
+        except Exception as error:  # the next save (or the end) stops every rank with it
+            if threading.current_thread() is threading.main_thread():
+                raise
+            self.commit_failed = (error, tmp)
+            return
+        size_mb = _tree_size(final) / 2**20
+        log.info("saved checkpoint %s (%.1f MB) in %.2f s", final, size_mb, time.perf_counter() - started)
+        self._rotate(best_step)
 
     def _save_our_state(self, directory: Path, state: TrainState) -> None:
         """What accelerate's save_state does not hold, as JSON and safetensors: accelerate would pickle a
@@ -184,9 +222,9 @@ class Checkpointer:
                if previous else "No earlier checkpoint exists.")
         )
 
-    def _rotate(self, state: TrainState) -> None:
+    def _rotate(self, best_step: Optional[int]) -> None:
         """Delete the oldest complete checkpoints beyond keep_last; the best one is kept apart."""
-        keep = {step_dir_name(state.best_step)} if state.best_step is not None else set()
+        keep = {step_dir_name(best_step)} if best_step is not None else set()
         rotating = [p for p in complete_checkpoints(self.run_dir) if p.name not in keep]
         for old in rotating[: max(0, len(rotating) - self.keep_last)]:
             shutil.rmtree(old)

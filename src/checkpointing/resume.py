@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 # Keys a resumed run may change: they do not alter what is being trained, only how long and how it reports.
 SAFE_ON_RESUME = {
     "resume", "trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
-    "trainer.checkpoint_every",
+    "trainer.checkpoint_every", "trainer.async_checkpoint",
     "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads", "data.num_workers",
     "trainer.eval_on_start",
     "trainer.trackers", "trainer.tracker_project", "trainer.resume_with_changed_data",
