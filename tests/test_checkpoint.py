@@ -32,12 +32,13 @@ def step_dirs(run_dir: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("nproc, extra, killed_extra", [
-    (1, ["data.random_offset=true"], []), (2, ["data.random_windows=true"], ["trainer.async_checkpoint=true"])])
+    (1, ["data.random_offset=true"], ["trainer.async_checkpoint=true"]),
+    (2, ["data.random_windows=true"], ["trainer.async_checkpoint=true"])])
 def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupted_run(tmp_path, small_text, nproc,
                                                                                        extra, killed_extra):
     """With data.random_offset or data.random_windows, whose windows move every epoch (the run crosses several).
-    On 2 processes the killed run commits its checkpoints in the background: resumed, it is still bitwise the
-    uninterrupted run, which saved blocking."""
+    The killed run writes its checkpoints in the background (trainer.async_checkpoint): resumed, it is still
+    bitwise the uninterrupted run, which saved blocking."""
     max_steps = 90
     reference, resumed = tmp_path / "uninterrupted", tmp_path / "killed"
     run([*resumable_args(small_text, max_steps), *extra, f"hydra.run.dir={reference}"], nproc=nproc)

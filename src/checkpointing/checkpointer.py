@@ -9,23 +9,30 @@ checkpoint, and its saved config with the safe overrides) is decided before the 
 A save is atomic: accelerate's `save_state` writes into `checkpoints/.tmp-step_N`, our own state is added as
 JSON and safetensors (nothing of ours is pickled), every file is fsynced, and the folder is renamed into
 place, so a kill at any moment leaves the newest complete checkpoint as the one to resume from
-(src/checkpointing/layout.py). With trainer.async_checkpoint the fsync, the rename and the rotation (the
-commit) run on a thread of rank 0 while training goes on; the next save, the final one and the export wait
-for it first, and a commit that failed stops every rank there. The files themselves are still written while
-the loop waits (into the page cache): what the loop no longer waits for is the disk.
+(src/checkpointing/layout.py). With trainer.async_checkpoint a periodic or best save holds the loop only while
+the state is copied to host memory (each rank writes its small random state at once); rank 0's thread then
+writes the files as save_state lays them out, fsyncs them and renames the folder (the commit) while training
+goes on. The next save, the final one, a stop's one and the export wait for it first, and a commit that failed
+stops every rank there. Sharded (FSDP) states save blocking: torch.distributed.checkpoint's collectives must
+stay on the loop's thread.
 """
 
+import copy
 import json
 import logging
 import os
+import random
 import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.checkpointing import save_accelerator_state
+from accelerate.utils import RNG_STATE_NAME, DistributedType
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_model
 
@@ -154,32 +161,65 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
         self.progress(f"saving checkpoint {final.name}")
-        failure = None
+        # Sharded (FSDP) states are written by torch.distributed.checkpoint, whose collectives stay on this thread.
+        in_background = self.in_background and not blocking and accelerator.distributed_type != DistributedType.FSDP
+        failure, write = None, None
         try:
-            accelerator.save_state(str(tmp))
-            if accelerator.is_main_process:
-                self._save_our_state(tmp, state)
+            if in_background:  # copied to host memory now, written by rank 0's thread
+                write = self._snapshot(tmp, state)
+            else:
+                accelerator.save_state(str(tmp))
+                if accelerator.is_main_process:
+                    self._save_our_state(tmp, state)
         except Exception as error:  # a full or unwritable disk shows as OSError, RuntimeError or a library's own
             failure = error
         self._stop_if_any_rank_failed(failure, tmp)
-        accelerator.wait_for_everyone()  # every rank's files are in tmp before it becomes a checkpoint
+        accelerator.wait_for_everyone()  # every rank's files (or its RNG state) in tmp before the commit
         self.progress(f"committing checkpoint {final.name} (fsync, rename)")
         if accelerator.is_main_process:
             best_step = state.best_step  # rotation keeps it: as it is now, not as the loop moves on
-            if blocking or not self.in_background:
-                self._commit(tmp, final, best_step, started)
-            else:
-                self.committing = threading.Thread(target=self._commit, args=(tmp, final, best_step, started),
+            if in_background:
+                self.committing = threading.Thread(target=self._commit, args=(tmp, final, best_step, started, write),
                                                    name=f"commit-{final.name}")
                 self.committing.start()
-        if blocking or not self.in_background:
+            else:
+                self._commit(tmp, final, best_step, started)
+        if not in_background:
             accelerator.wait_for_everyone()
         accelerator.log({"checkpoint/blocking_s": time.perf_counter() - started}, step=state.step)
         return final
 
-    def _commit(self, tmp: Path, final: Path, best_step: Optional[int], started: float) -> None:
-        """Rank 0: every file on disk, then the rename that makes it a checkpoint, then rotation."""
+    def _snapshot(self, tmp: Path, state: TrainState) -> Optional[Callable[[], None]]:
+        """What accelerate's save_state writes, taken now: each rank writes its random state at once (it is
+        small); rank 0 copies the weights, optimizer, schedule and scaler states to host memory and returns the
+        writing of them, as save_state lays them out, for its thread. Our own state is written now."""
+        accelerator = self.accelerator
+        rng = random_states(accelerator.step)
+        torch.save(rng, tmp / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
+        if not accelerator.is_main_process:
+            return None
+        # accelerate keeps the prepared objects in these lists; save_state reads them the same way.
+        weights = [on_host(accelerator.get_state_dict(model, unwrap=False)) for model in accelerator._models]
+        optimizers = [Frozen(on_host(optimizer.state_dict())) for optimizer in accelerator._optimizers]
+        schedulers = [Frozen(copy.deepcopy(scheduler.state_dict())) for scheduler in accelerator._schedulers]
+        scaler = Frozen(copy.deepcopy(accelerator.scaler.state_dict())) if accelerator.scaler is not None else None
+        dataloaders, process_index, step = accelerator._dataloaders, accelerator.process_index, accelerator.step
+        self._save_our_state(tmp, state)
+
+        def write() -> None:
+            save_accelerator_state(str(tmp), weights, optimizers, schedulers, dataloaders, process_index, step,
+                                   scaler)
+            torch.save(rng, tmp / f"{RNG_STATE_NAME}_{process_index}.pkl")  # it wrote this thread's, later one
+
+        return write
+
+    def _commit(self, tmp: Path, final: Path, best_step: Optional[int], started: float,
+                write: Optional[Callable[[], None]] = None) -> None:
+        """Rank 0: the snapshot's files (in the background), every file on disk, then the rename that makes it a
+        checkpoint, then rotation."""
         try:
+            if write is not None:
+                write()
             _fsync_tree(tmp)
             tmp.rename(final)  # the commit point: atomic on POSIX filesystems
         except Exception as error:  # the next save (or the end) stops every rank with it
@@ -229,6 +269,45 @@ class Checkpointer:
         for old in rotating[: max(0, len(rotating) - self.keep_last)]:
             shutil.rmtree(old)
             log.info("removed old checkpoint %s", old)
+
+
+class Frozen:
+    """A state dict taken earlier, offered as save_accelerator_state asks for one (.state_dict())."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+
+def on_host(tree):
+    """Every tensor of a (nested) state dict copied to host memory, tensors that share storage (tied weights)
+    still shared, so that the copy is saved as the original would be."""
+    copies = {}
+
+    def copy_of(value):
+        if isinstance(value, torch.Tensor):
+            key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
+            if key not in copies:
+                copies[key] = value.detach().to("cpu", copy=True)
+            return copies[key]
+        if isinstance(value, dict):
+            return type(value)((k, copy_of(v)) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy_of(v) for v in value)
+        return value
+
+    return copy_of(tree)
+
+
+def random_states(step: int) -> dict:
+    """This process's random state as accelerate's save_state records it (random_states_<rank>.pkl)."""
+    states = {"step": step, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+              "torch_manual_seed": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    return states
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -52,8 +52,9 @@ class TrainerConfig:
     checkpoint_every: Annotated[int, Arg("optimizer steps between checkpoints (0: only at the end)", ge=0)] = 500
     keep_last_checkpoints: Annotated[int, Arg("newest complete checkpoints kept on disk", ge=2)] = 3
     async_checkpoint: Annotated[bool, Arg(
-        "commit periodic and best checkpoints in the background (the files' fsync, the rename that completes them, "
-        "rotation) while training goes on; the final and a stop's checkpoint stay blocking")] = False
+        "periodic and best checkpoints hold the loop only while the state is copied to host memory; a thread "
+        "writes and commits them while training goes on (FSDP's sharded states, the final and a stop's "
+        "checkpoint stay blocking)")] = False
     max_grad_norm: Annotated[float, Arg("clip the global gradient norm to this (0: no clipping)", ge=0)] = 1.0
     monitor: Annotated[Optional[str], Arg(
         "metric that picks the best checkpoint (null: none); one the objective reports, e.g. eval/loss")] = "eval/loss"
