@@ -214,7 +214,9 @@ def test_workers_stop_when_their_launcher_is_killed_instead_of_training_on_orpha
                 pass
 
 
-def test_a_full_disk_during_a_save_names_the_path_and_leaves_the_previous_checkpoint_resumable(tmp_path):
+@pytest.mark.parametrize("writing", [[], ["trainer.async_checkpoint=true"]])  # blocking, then in the background
+def test_a_full_disk_during_a_save_names_the_path_and_leaves_the_previous_checkpoint_resumable(tmp_path, writing):
+    """In the background the write fails on rank 0's thread: the next save stops the run with it."""
     import shutil
     import subprocess
 
@@ -231,7 +233,7 @@ def test_a_full_disk_during_a_save_names_the_path_and_leaves_the_previous_checkp
         run_dir = mount / "run"
         args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=40", "trainer.checkpoint_every=1",
                 "trainer.keep_last_checkpoints=40", "trainer.monitor=null"]
-        proc = run([*args, f"hydra.run.dir={run_dir}"], check=False)
+        proc = run([*args, *writing, f"hydra.run.dir={run_dir}"], check=False)
         refused(proc, str(run_dir / "checkpoints" / "step_"), "MB are free", "resume=auto")
         assert not list((run_dir / "checkpoints").glob(".tmp-*"))  # no half-written step_N
         saved = complete_checkpoints(run_dir)
