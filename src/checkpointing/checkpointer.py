@@ -179,7 +179,8 @@ class Checkpointer:
         if accelerator.is_main_process:
             best_step = state.best_step  # rotation keeps it: as it is now, not as the loop moves on
             if in_background:
-                self.committing = threading.Thread(target=self._commit, args=(tmp, final, best_step, started, write),
+                self.committing = threading.Thread(target=self._commit_in_background,
+                                                   args=(tmp, final, best_step, started, write),
                                                    name=f"commit-{final.name}")
                 self.committing.start()
             else:
@@ -217,19 +218,19 @@ class Checkpointer:
                 write: Optional[Callable[[], None]] = None) -> None:
         """Rank 0: the snapshot's files (in the background), every file on disk, then the rename that makes it a
         checkpoint, then rotation."""
-        try:
-            if write is not None:
-                write()
-            _fsync_tree(tmp)
-            tmp.rename(final)  # the commit point: atomic on POSIX filesystems
-        except Exception as error:  # the next save (or the end) stops every rank with it
-            if threading.current_thread() is threading.main_thread():
-                raise
-            self.commit_failed = (error, tmp)
-            return
+        if write is not None:
+            write()
+        _fsync_tree(tmp)
+        tmp.rename(final)  # the commit point: atomic on POSIX filesystems
         size_mb = _tree_size(final) / 2**20
         log.info("saved checkpoint %s (%.1f MB) in %.2f s", final, size_mb, time.perf_counter() - started)
         self._rotate(best_step)
+
+    def _commit_in_background(self, tmp: Path, *commit) -> None:
+        try:
+            self._commit(tmp, *commit)
+        except Exception as error:  # the next save (or the end) stops every rank with it
+            self.commit_failed = (error, tmp)
 
     def _save_our_state(self, directory: Path, state: TrainState) -> None:
         """What accelerate's save_state does not hold, as JSON and safetensors: accelerate would pickle a

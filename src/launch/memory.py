@@ -79,10 +79,10 @@ def memory_per_rank(device: torch.device) -> tuple[Optional[int], str]:
     return available // ranks, f"the host's available memory / {ranks} rank(s) on it"
 
 
-def what_would_fit(state: ModelState, available: int, sharded: bool, world_size: int, precision: str) -> str:
+def what_would_fit(state: ModelState, available: int, world_size: int, precision: str) -> str:
     """The warning for a model state larger than a rank's memory, naming the layouts that would fit."""
     ways = []
-    if not sharded:
+    if state.shards == 1:
         ways.append(f"FSDP2 (config/accelerate/fsdp.yaml): the state sharded over {world_size} ranks would be "
                     f"{gib(state.total // world_size)} each" if world_size > 1 else
                     "FSDP2 over several ranks (config/accelerate/fsdp.yaml): the state is divided among them")
@@ -110,5 +110,4 @@ def warn_if_it_cannot_fit(accelerator: Accelerator, model: torch.nn.Module, cfg:
     state = state_of_run(accelerator, model, cfg)
     available, _ = memory_per_rank(accelerator.device)
     if available is not None and state.total > available and accelerator.is_local_main_process:
-        log.warning(what_would_fit(state, available, state.shards > 1, accelerator.num_processes,
-                                   str(cfg.trainer.mixed_precision)))
+        log.warning(what_would_fit(state, available, accelerator.num_processes, str(cfg.trainer.mixed_precision)))
