@@ -55,6 +55,9 @@ def test_resume_after_sigkill_mid_epoch_reproduces_every_loss_of_the_uninterrupt
     assert scalars(resumed, "train/lr") == scalars(reference, "train/lr")
     assert max_abs_diff(exported_weights(reference), exported_weights(resumed)) == 0
     assert sorted(scalars(resumed, "checkpoint/blocking_s"))[-3:] == [70, 80, 90]  # how long each save held the loop
+    periodic = [line for line in (resumed / "train.log").read_text().splitlines()
+                if "saved checkpoint" in line and "step_00000090" not in line]  # the final save blocks
+    assert periodic and all("written in the background" in line for line in periodic), periodic
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,21 @@ def test_a_resumed_deterministic_cuda_run_with_dropout_gives_the_losses_and_weig
     assert max_abs_diff(exported_weights(tmp_path / "whole"), exported_weights(tmp_path / "resumed")) == 0
 
 
+def test_an_async_checkpoint_copied_off_the_gpu_resumes_bitwise_and_the_banner_states_the_gpus_memory(tmp_path):
+    """trainer.async_checkpoint copies the state from the GPU to host memory at the step and writes it on a
+    thread: a run forked from such a checkpoint ends as the whole run did."""
+    args = [*SHORT, "scheduler=constant", "model.dropout=0.1", "trainer.deterministic=true",
+            "trainer.async_checkpoint=true", "trainer.checkpoint_every=4", "trainer.max_steps=8"]
+    whole = gpu_run([*args, f"hydra.run.dir={tmp_path / 'whole'}"])
+    assert "written in the background" in (tmp_path / "whole" / "train.log").read_text()
+    assert "(a whole copy on each rank): weights" in whole.stdout and "cuda:0's memory" in whole.stdout
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_00000004"
+    gpu_run([*args, f"resume={checkpoint}", f"hydra.run.dir={tmp_path / 'forked'}"])
+    after_the_fork = {step: loss for step, loss in scalars(tmp_path / "whole", "train/loss").items() if step > 4}
+    assert scalars(tmp_path / "forked", "train/loss") == after_the_fork
+    assert max_abs_diff(exported_weights(tmp_path / "whole"), exported_weights(tmp_path / "forked")) == 0
+
+
 def test_fp16_steps_the_grad_scaler_skips_do_not_advance_the_schedule(tmp_path):
     """Steps 5 and 6 overflow fp16 in the backward (the loss stays finite), so the scaler must skip them; a
     tiny model's own gradients may overflow its first scale (2**16) too."""

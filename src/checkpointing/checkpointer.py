@@ -223,7 +223,8 @@ class Checkpointer:
         _fsync_tree(tmp)
         tmp.rename(final)  # the commit point: atomic on POSIX filesystems
         size_mb = _tree_size(final) / 2**20
-        log.info("saved checkpoint %s (%.1f MB) in %.2f s", final, size_mb, time.perf_counter() - started)
+        log.info("saved checkpoint %s (%.1f MB) in %.2f s%s", final, size_mb, time.perf_counter() - started,
+                 ", written in the background" if write is not None else "")
         self._rotate(best_step)
 
     def _commit_in_background(self, tmp: Path, *commit) -> None:
