@@ -29,6 +29,7 @@ from src.faults.run_dir_lock import acquire_run_dir
 from src.launch.accelerator import build_accelerator
 from src.launch.memory import warn_if_it_cannot_fit
 from src.launch.settings import LaunchSettings, Setting, launch_settings
+from src.launch.sharded_start import give_storage, holds_values, without_values
 from src.launcher import launched_rank
 from src.loop.accumulation import fit_run_to_data
 from src.loop.auto_batch import find_micro_batch
@@ -94,10 +95,13 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
                         gradient_accumulation_steps=cfg.trainer.gradient_accumulation_steps)
     epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout)  # whole global batches; epochs -> steps
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
-    model = build(cfg.model, group="model")
+    with without_values(accelerator):  # FSDP's sharded start: rank 0 alone holds the model whole
+        model = build(cfg.model, group="model")
+    give_storage(accelerator, model)
     check_vocabulary_fits(model, data.sizes(), cfg.model)
     warn_if_it_cannot_fit(accelerator, model, cfg)  # weights, gradients and optimizer state against the memory
-    if cfg.trainer.init_weights and not checkpoint:  # a resumed run continues from its checkpoint's weights
+    # A resumed run continues from its checkpoint's weights; in a sharded start, rank 0's are sent to the others.
+    if cfg.trainer.init_weights and not checkpoint and holds_values(accelerator):
         load_initial_weights(model, Path(cfg.trainer.init_weights), cfg.model, data.codec, fingerprint)
     hide_tied_weight_notices(model)  # accelerate's "Removed shared tensor" at every save, for the model's own ties
     if cfg.trainer.sync_batchnorm:

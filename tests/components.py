@@ -115,3 +115,11 @@ class WithUnusedHead(GPT):
     def __init__(self, **gpt):
         super().__init__(**gpt)
         self.unused_head = torch.nn.Linear(4, 4)
+
+
+class SaysHowItWasBuilt(GPT):
+    """The GPT, printing on each rank whether its parameters were made with values (not on the meta device)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        print(f"rank {os.environ.get('RANK', '0')} built with values: {not self.lm_head.weight.is_meta}", flush=True)

@@ -15,7 +15,17 @@ import pytest
 
 from src.checkpointing.export import load_exported_model
 from src.launch.memory import gib
-from tests.conftest import GPU_ENV, QUIET, TINY_GPT, exported_weights, kill_when, max_abs_diff, run, scalars
+from tests.conftest import (
+    GPU_ENV,
+    QUIET,
+    TINY_GPT,
+    exported_weights,
+    kill_when,
+    launch_command,
+    max_abs_diff,
+    run,
+    scalars,
+)
 
 FSDP_ON_CPU = {"script": "tests/fsdp_on_cpu.py", "launcher": "fsdp"}
 # Global batch 16: 4 samples x 2 processes x 2 micro-steps; sharded checkpoints at steps 4, 8 and 12.
@@ -51,6 +61,33 @@ def test_fsdp_trains_the_weights_ddp_trains_and_exports_a_loadable_tied_model(tm
     assert max_abs_diff(exported_weights(ddp), exported_weights(fsdp_run)) <= LAYOUT_TOLERANCE
     model = load_exported_model(fsdp_run / "model")
     assert model.lm_head.weight is model.tok_emb.weight
+
+
+@pytest.mark.parametrize("model", [
+    ["model._target_=tests.components.SaysHowItWasBuilt", "model.dropout=0.1"],  # rank 1 draws as rank 0 did
+    ["model=hf_causal_lm", "data=jsonl", "objective=causal_lm", "model.block_size=48",  # untied, rotary buffers
+     "~model.config", "+model.config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+     "num_attention_heads: 2, num_key_value_heads: 1, vocab_size: ${dataset:vocab_size}, max_position_embeddings: 48}"],
+], ids=["gpt_tied", "llama_from_config"])
+def test_a_sharded_start_builds_the_model_on_rank_0_alone_and_trains_the_weights_of_a_whole_copy_per_rank(
+        tmp_path, model):
+    """Only rank 0 makes the model's values; the others get their shards from it when FSDP wraps the model."""
+    base = ARGS if "SaysHowItWasBuilt" in model[0] else [a for a in ARGS if a not in TINY_GPT]
+    args = [*base, *model, "trainer.max_steps=3", "trainer.checkpoint_every=0"]
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    *launcher, script = launch_command(FSDP_ON_CPU["script"], 2, "fsdp")
+    # accelerate launch's switch off config/accelerate/fsdp.yaml's sharded start: every rank builds the model whole
+    whole_copy_per_rank = [*launcher, "--fsdp_cpu_ram_efficient_loading", "false", script]
+    launched = {run_dir: run([*args, f"hydra.run.dir={run_dir}"], command=command)
+                for run_dir, command in ((whole, whole_copy_per_rank), (sharded, [*launcher, script]))}
+    if "SaysHowItWasBuilt" in model[0]:
+        assert "rank 1 built with values: True" in launched[whole].stdout
+        assert "rank 1 built with values: False" in launched[sharded].stdout
+        assert "rank 0 built with values: True" in launched[sharded].stdout
+        exported = load_exported_model(sharded / "model")
+        assert exported.lm_head.weight is exported.tok_emb.weight
+    assert scalars(whole, "train/loss") == scalars(sharded, "train/loss")
+    assert max_abs_diff(exported_weights(whole), exported_weights(sharded)) == 0
 
 
 def test_a_killed_fsdp_run_resumes_bitwise_from_its_sharded_checkpoint(tmp_path, fsdp_run):

@@ -89,13 +89,17 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         # Weight tying (Press & Wolf, 2017): fewer parameters and a better LM at this scale.
-        self.lm_head.weight = self.tok_emb.weight
+        self.tie_weights()
 
         self.apply(self._init_weights)
         # GPT-2's scaled init of the residual projections keeps the residual stream's variance flat in depth.
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    def tie_weights(self) -> None:
+        """Also what accelerate calls after it moves the model between devices (an FSDP sharded start)."""
+        self.lm_head.weight = self.tok_emb.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 from src.errors import UsageError
+from src.launch.sharded_start import is_built_without_values
 from src.models.hub import local_path
 from src.schema.signature import Arg
 
@@ -123,6 +124,11 @@ def _from_pretrained(AutoModelForCausalLM, pretrained: str, revision: Optional[s
         raise UsageError(f"model.pretrained={pretrained}: no config.json in it; a from_pretrained folder holds "
                          f"config.json and its weights (model.safetensors), as save_pretrained writes them")
     try:
+        if is_built_without_values():  # FSDP's sharded start, a rank other than 0: the architecture, no weights
+            from transformers import AutoConfig
+
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True),
+                                                    **options)
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **options)
     except (OSError, ValueError) as error:
         raise UsageError(f"model.pretrained={pretrained}: {error}") from error
