@@ -148,6 +148,14 @@ def test_resume_takes_safe_overrides_refuses_others_and_ignores_defaults_edited_
         config_for_resume(now, checkpoint, ["experiment=bigger"])
 
 
+def test_resume_reads_the_command_line_as_typed_even_where_a_value_names_a_data_size(tmp_path):
+    """Hydra hands the overrides over as a ListConfig; ${dataset:vocab_size} is unknown until the data is built."""
+    saved, checkpoint = saved_run(tmp_path)
+    typed = OmegaConf.create(["trainer.max_steps=20", "+model.head={vocab_size: ${dataset:vocab_size}}"])
+    with pytest.raises(UsageError, match=r"model.head"):  # refused as a change, not a resolution error
+        config_for_resume(OmegaConf.merge(saved, {"model": {"head": {"vocab_size": 3}}}), checkpoint, typed)
+
+
 def test_resume_in_steps_replaces_a_length_in_epochs(tmp_path):
     saved, checkpoint = saved_run(tmp_path, max_epochs=3)
     resumed = config_for_resume(OmegaConf.merge(saved, {"trainer": {"max_steps": 50}}), checkpoint,

@@ -86,7 +86,9 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
         OmegaConf.update(saved, f"trainer.{key}", trainer[key], force_add=True)
         log.info("resume: trainer.%s=%s, its default (a setting newer than the checkpoint)", key, trainer[key])
     new_leaves, old_leaves = _leaves(cfg), _leaves(saved)
-    named = [override.split("=", 1)[0].lstrip("+~") for override in overrides]
+    # As typed: Hydra keeps them in a ListConfig, which would resolve a ${dataset:...} inside an override's value.
+    as_typed = OmegaConf.to_container(overrides, resolve=False) if OmegaConf.is_config(overrides) else overrides
+    named = [override.split("=", 1)[0].lstrip("+~") for override in as_typed]
     scopes = [key if any(_under(leaf, key) for leaf in new_leaves) else "" for key in named]
     refused, changed = [], []
     same_samples = _per_process_samples(new_leaves) == _per_process_samples(old_leaves)
