@@ -18,6 +18,7 @@ applies to the training step only: evaluation runs a few batches per evaluation,
 cost more compile time than it could win back.
 """
 
+import contextlib
 from typing import Any, Mapping
 
 import torch
@@ -25,23 +26,32 @@ import torch
 from src.faults.distributed_errors import unused_parameters
 from src.loop.batches import call_model
 from src.objectives.base import Objective
+from src.objectives.chunked import check_the_model_keeps_its_logits, output_layer_loss
 
 
 class Forward:
     def __init__(self, objective: Objective, compile: bool, mode: str = "default"):
         self.objective = objective
+        # objective.chunk_tokens: the model's output layer computes the loss sum (src/objectives/chunked.py).
+        self.chunked = getattr(objective, "chunk_tokens", None) is not None
+        self._chunking_unchecked = self.chunked
         self._train_step = torch.compile(self._loss_sum, mode=mode) if compile else self._loss_sum
         self._compiled_metrics = torch.compile(self._metrics) if compile else None
 
     def loss_sum(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """The training loss summed over this micro-batch's counted targets (see src/objectives/base.py)."""
+        if self._chunking_unchecked:
+            check_the_model_keeps_its_logits(model, inputs, targets, self.objective)
+            self._chunking_unchecked = False
         try:
-            return self._train_step(model, inputs, targets)
+            with output_layer_loss(model, self.objective, targets) if self.chunked else contextlib.nullcontext():
+                return self._train_step(model, inputs, targets)
         except RuntimeError as error:  # DDP reports parameters without gradients here, at the next forward
             raise unused_parameters(error, model) or error
 
     def _loss_sum(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        return self.objective.loss_sum(call_model(model, inputs), targets)
+        output = call_model(model, inputs)
+        return output if self.chunked else self.objective.loss_sum(output, targets)  # chunked: already the loss
 
     def _metrics(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> dict:
         return self.objective.metrics(call_model(model, inputs), targets)

@@ -1,6 +1,6 @@
 """Cross-entropy over classes, and its language-model form (targets shifted by one)."""
 
-from typing import Annotated, Mapping
+from typing import Annotated, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +16,14 @@ class CrossEntropy(Objective):
 
     metric_names = ("loss", "accuracy")
 
-    def __init__(self, ignore_index: Annotated[int, Arg("target value that counts for nothing")] = -100, **base):
+    def __init__(self, ignore_index: Annotated[int, Arg("target value that counts for nothing")] = -100,
+                 chunk_tokens: Annotated[Optional[int], Arg(
+                     "training: compute the loss through the model's output layer this many tokens at a time, "
+                     "recomputing each chunk's logits in the backward pass, so that the fp32 logits of a whole "
+                     "micro-batch are never held (large vocabularies; src/objectives/chunked.py); null: at once",
+                     ge=1)] = None, **base):
         super().__init__(**base)
-        self.ignore_index = ignore_index
+        self.ignore_index, self.chunk_tokens = ignore_index, chunk_tokens
 
     def aligned(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return logits, targets

@@ -1,0 +1,97 @@
+"""loss-memory: the peak memory of one training micro-step (forward, loss, backward) at a large vocabulary, with
+the loss computed at once against objective.chunk_tokens (src/objectives/chunked.py).
+
+Both sides run the template's own Forward on the same GPT (tied output layer), batch and targets, each in a fresh
+process: one warm-up step (so the gradients exist), then the peak is reset and one more step measured. On CPU the
+peak is the process's resident memory (VmHWM, reset through /proc/self/clear_refs) over what it held before the
+step; on CUDA, torch.cuda.max_memory_allocated over the memory allocated before it. The loss of both is printed too:
+equal within float rounding.
+"""
+
+import json
+import subprocess
+import sys
+
+from scripts.benchmarks.common import BENCHMARK, ROOT
+
+
+def loss_memory(args) -> dict:
+    sides = {}
+    for chunk in (0, args.chunk_tokens):
+        done = subprocess.run([sys.executable, str(BENCHMARK), "_loss_memory", "--vocab", str(args.vocab),
+                               "--tokens", str(args.tokens), "--batch", str(args.batch), "--n-embd", str(args.n_embd),
+                               "--chunk-tokens", str(chunk), "--device", args.device],
+                              cwd=ROOT, capture_output=True, text=True, check=True)
+        sides["chunk_tokens=" + (str(chunk) if chunk else "null")] = json.loads(done.stdout.splitlines()[-1])
+    plain, chunked = sides.values()
+    return {**sides, "peak_ratio_plain_over_chunked": round(plain["step_peak_gib"] / chunked["step_peak_gib"], 2),
+            "loss_difference": abs(plain["loss"] - chunked["loss"])}
+
+
+def _worker(args) -> None:
+    import torch
+
+    from src.loop.forward import Forward
+    from src.models.gpt import GPT
+    from src.objectives.classification import CrossEntropy
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = GPT(vocab_size=args.vocab, block_size=args.tokens, n_layer=2, n_head=4, n_embd=args.n_embd).to(device)
+    x = torch.randint(0, args.vocab, (args.batch, args.tokens), device=device)
+    y = torch.randint(0, args.vocab, (args.batch, args.tokens), device=device)
+    forward = Forward(CrossEntropy(chunk_tokens=args.chunk_tokens or None), compile=False)
+    forward.loss_sum(model, x, y).backward()  # the gradients exist from here on, as in training
+    before = held(device)
+    reset_peak(device)
+    loss = forward.loss_sum(model, x, y)
+    loss.backward()
+    print(json.dumps({"step_peak_gib": round((peak(device) - before) / 2**30, 3), "loss": loss.item(),
+                      "logits_fp32_gib": round(args.batch * args.tokens * args.vocab * 4 / 2**30, 3)}))
+
+
+def held(device) -> int:
+    import torch
+
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else _status_kib("VmRSS") * 1024
+
+
+def reset_peak(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+
+
+def peak(device) -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _status_kib("VmHWM") * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def add_commands(commands) -> dict:
+    c = commands.add_parser("loss-memory", help="a micro-step's peak memory at a large vocabulary, chunked loss or not")
+    w = commands.add_parser("_loss_memory")
+    for parser in (c, w):
+        parser.add_argument("--vocab", type=int, default=128256, help="Llama 3's vocabulary")
+        parser.add_argument("--tokens", type=int, default=512)
+        parser.add_argument("--batch", type=int, default=4)
+        parser.add_argument("--n-embd", type=int, default=256)
+        parser.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+    c.add_argument("--chunk-tokens", type=int, default=256)
+    w.add_argument("--chunk-tokens", type=int, default=0)
+    return {"loss-memory": loss_memory, "_loss_memory": _worker}
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

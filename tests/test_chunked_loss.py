@@ -1,0 +1,108 @@
+"""objective.chunk_tokens: the loss through the output layer a chunk of tokens at a time equals the plain loss,
+and so do its gradients, for the template's GPT and transformers models (with LoRA too); a model that changes its
+logits after the output layer is refused. Under DDP and FSDP2 (real launches): the same training."""
+
+import pytest
+import torch
+
+from src.errors import UsageError
+from src.loop.forward import Forward
+from src.models.gpt import GPT
+from src.objectives.classification import CausalLM, CrossEntropy
+from tests.conftest import QUIET, TINY_GPT, run, scalars
+
+VOCAB = 97
+
+
+def losses_and_gradients(model, objective, inputs, targets, compile=False):
+    model.zero_grad()
+    loss = Forward(objective, compile=compile).loss_sum(model, inputs, targets)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_training(model, plain, chunked, inputs, targets, compile=False):
+    expected, expected_grads = losses_and_gradients(model, plain, inputs, targets)
+    got, grads = losses_and_gradients(model, chunked, inputs, targets, compile)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == expected_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    hidden = torch.randn(2, model.lm_head.in_features)  # outside a training step, the output layer gives logits
+    torch.testing.assert_close(model.lm_head(hidden), hidden @ model.lm_head.weight.T)
+
+
+def tiny_llama(**config):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, **config)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1000])  # uneven, even, one chunk
+def test_chunked_loss_and_gradients_equal_the_plain_ones_for_the_tied_gpt(chunk):
+    torch.manual_seed(0)
+    model = GPT(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    x, y = torch.randint(0, VOCAB, (3, 32)), torch.randint(0, VOCAB, (3, 32))
+    y[0, :5] = -100  # ignored targets count for nothing in either
+    assert_same_training(model, CrossEntropy(), CrossEntropy(chunk_tokens=chunk), x, y)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_chunked_causal_lm_loss_and_gradients_equal_the_plain_ones_for_a_transformers_llama(lora):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, VOCAB, (2, 24))
+    inputs, labels = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids.clone()
+    labels[1, 20:] = -100
+    expected, expected_grads = losses_and_gradients(model, CausalLM(), inputs, labels)
+    got, grads = losses_and_gradients(model, CausalLM(chunk_tokens=10), inputs, labels)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == expected_grads.keys() and (not lora or all("lora" in n for n in grads))
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_chunked_loss_compiles_to_the_same_loss_and_gradients():
+    torch.manual_seed(0)
+    model = GPT(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    x, y = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    assert_same_training(model, CrossEntropy(), CrossEntropy(chunk_tokens=8), x, y, compile=True)
+    y = torch.randint(0, VOCAB, (2, 16))  # a new micro-batch: its own targets, not the traced ones
+    assert_same_training(model, CrossEntropy(), CrossEntropy(chunk_tokens=8), x, y, compile=True)
+
+
+def test_a_model_that_changes_its_logits_after_the_output_layer_is_refused_naming_the_key():
+    """As Gemma's soft-capping or a logit scale would: the loss computed inside the output layer would be wrong."""
+    model = tiny_llama()
+    plain_forward = type(model).forward
+
+    class ScalesItsLogits(type(model)):
+        def forward(self, *args, **kwargs):
+            out = plain_forward(self, *args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model.__class__ = ScalesItsLogits
+    ids = torch.randint(0, VOCAB, (2, 24))
+    with pytest.raises(UsageError, match="objective.chunk_tokens") as refused:
+        Forward(CausalLM(chunk_tokens=8), compile=False).loss_sum(model, {"input_ids": ids}, ids)
+    assert "objective.chunk_tokens=null" in str(refused.value)
+
+
+def test_training_with_chunked_loss_under_ddp_and_fsdp2_matches_the_plain_loss(tmp_path):
+    args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=4", "trainer.checkpoint_every=0",
+            "trainer.monitor=null"]
+    plain, ddp, fsdp = tmp_path / "plain", tmp_path / "ddp", tmp_path / "fsdp"
+    run([*args, f"hydra.run.dir={plain}"], nproc=2)
+    run([*args, "objective.chunk_tokens=48", f"hydra.run.dir={ddp}"], nproc=2)
+    run([*args, "objective.chunk_tokens=48", f"hydra.run.dir={fsdp}"], nproc=2, script="tests/fsdp_on_cpu.py",
+        launcher="fsdp")
+    expected = scalars(plain, "train/loss")
+    for run_dir in (ddp, fsdp):
+        got = scalars(run_dir, "train/loss")
+        assert sorted(got) == [1, 2, 3, 4]
+        assert max(abs(got[s] - expected[s]) for s in got) <= 1e-5
