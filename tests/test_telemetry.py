@@ -50,7 +50,8 @@ def test_summary_json_is_complete_and_agrees_with_the_event_file(two_process_run
     assert 0 < summary["time_s"]["start-up"] < summary["wall_time_s"]
     assert summary["time_s"]["of which evaluation"] < summary["time_s"]["training"] < summary["wall_time_s"]
     assert summary["tokens_per_second"] > 0 and 0 < summary["mfu"] < 1  # peak 1 TFLOP/s per process
-    assert summary["peak_memory_gib"]["rss_max_over_ranks"] > 0.1
+    peaks = summary["peak_memory_gib"]["rss_per_rank"]
+    assert len(peaks) == 2 and min(peaks) > 0.1 and summary["peak_memory_gib"]["rss_max_over_ranks"] == max(peaks)
     assert stdout.count("run summary (") == 1  # printed once, by rank 0
 
 

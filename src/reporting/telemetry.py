@@ -242,8 +242,9 @@ class Telemetry:
         wall = time.time() - self.process_started
         training = time.perf_counter() - self.loop_started if self.loop_started else 0.0
         throughput = self.total_targets.item() / training if training else 0.0
-        peak_rss = self.accelerator.reduce(torch.tensor(peak_rss_gib(), device=self.accelerator.device), "max") \
-            if self.accelerator.num_processes > 1 else torch.tensor(peak_rss_gib())
+        # Every rank's: under FSDP rank 0 may hold more than the others (it reads the model whole, it gathers the
+        # export), and a node's host memory is the sum over its ranks.
+        peak_rss = self.accelerator.gather(torch.tensor([peak_rss_gib()], device=self.accelerator.device)).tolist()
         summary = {
             "stopped": stopped,
             "steps": steps,
@@ -257,7 +258,7 @@ class Telemetry:
             "samples_per_second": self.total_steps * self.samples_per_step / training if training else 0.0,
             "tokens_per_second": throughput,
             "mfu": self.mfu(throughput),
-            "peak_memory_gib": {"rss_max_over_ranks": peak_rss.item(),
+            "peak_memory_gib": {"rss_max_over_ranks": max(peak_rss), "rss_per_rank": peak_rss,
                                 **({"cuda": torch.cuda.max_memory_allocated() / 2**30}
                                    if self.accelerator.device.type == "cuda" else {})},
             "final_train_loss": final_loss,

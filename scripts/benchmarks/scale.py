@@ -1,0 +1,157 @@
+"""scale: one model size after another (a Llama from a transformers config), trained by train.py under each layout
+on N processes: one process alone, DDP, FSDP2 (config/accelerate/fsdp.yaml, its sharded start) and FSDP2 with a
+whole copy per rank at the start. Per size and layout: each rank's peak resident memory (and CUDA's peak on GPUs),
+the step time, tokens/s, how long the loop was blocked by a checkpoint save, the time to the first step of a fresh
+run and of a run resumed from that checkpoint.
+
+Every layout runs the same train.py with the same overrides, so every side is measured the same way: memory from
+the run's summary.json (each rank's peak RSS, read by the rank itself at the end), times from its summary and
+TensorBoard. A layout whose model state (weights, gradients, AdamW's moments) per rank exceeds the host's
+available memory is not started (an out-of-memory kill can take the machine's other work with it): its row says
+it would not fit, with the estimate. On CPU the FSDP2 runs go through tests/fsdp_on_cpu.py (accelerate runs its
+FSDP plugin only on GPUs otherwise); on GPUs through train.py itself.
+
+    python scripts/benchmark.py scale --sizes 10x640 16x1024 17x1536 --processes 2
+    python scripts/benchmark.py scale --sizes 16x1024 --pretrained --layouts one fsdp2   # LoRA on a saved folder
+"""
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from statistics import median
+
+from scripts.benchmarks.common import ROOT, free_port, run, scalars
+
+LAYOUTS = ("one", "ddp", "fsdp2", "fsdp2_whole_copy")
+LORA = "{peft_type: LORA, r: 8, lora_alpha: 16, target_modules: [q_proj, v_proj]}"
+
+
+def llama(layers: int, hidden: int, block: int) -> dict:
+    heads = max(1, hidden // 64)
+    return {"model_type": "llama", "hidden_size": hidden, "intermediate_size": 11 * hidden // 4,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
+            "max_position_embeddings": block, "tie_word_embeddings": False}
+
+
+def launch(layout: str, processes: int) -> list[str]:
+    import torch
+
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
+    if layout == "one":
+        return [sys.executable, "train.py"]
+    if layout == "ddp":
+        return [*launcher, "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+                "--dynamo_backend", "no", "train.py"]
+    script = "train.py" if torch.cuda.is_available() else "tests/fsdp_on_cpu.py"
+    whole = ["--fsdp_cpu_ram_efficient_loading", "false"] if layout == "fsdp2_whole_copy" else []
+    return [*launcher, "--config_file", "config/accelerate/fsdp.yaml", "--num_processes", str(processes), *whole,
+            script]
+
+
+BASE_PER_PROCESS = 0.6 * 2**30  # a training process before its model: torch, transformers, the data
+
+
+def state_per_rank(parameters: int, layout: str, processes: int, pretrained: bool) -> int:
+    """fp32 weights, and for what trains its gradients and AdamW's two moments: sharded under FSDP2; DDP keeps one
+    more gradient-sized copy in its all-reduce buckets (trainer.ddp_gradient_as_bucket_view=false)."""
+    shards = processes if layout.startswith("fsdp2") else 1
+    trainable = 0 if pretrained else parameters  # LoRA's adapter is too small to count here
+    copies = 1 + 3 + (1 if layout == "ddp" else 0)
+    return int((parameters * 4 + (copies - 1) * trainable * 4) // shards + BASE_PER_PROCESS)
+
+
+def available_bytes() -> int:
+    fields = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+    return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def one_size(args, layers: int, hidden: int, work: Path) -> dict:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = llama(layers, hidden, args.block_size)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(**config, vocab_size=65)).parameters())  # the bundled text's characters
+    model = ["model=hf_causal_lm", f"model.block_size={args.block_size}", "objective=causal_lm", "~model.config",
+             "+model.config=" + json.dumps({**config, "vocab_size": "${dataset:vocab_size}"}).replace('"', "")]
+    if args.pretrained:  # a saved folder of this size, each layout reads it; LoRA trains on it
+        folder = work / f"pretrained_{layers}x{hidden}"
+        if not folder.is_dir():
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(AutoConfig.for_model(**config, vocab_size=65)).save_pretrained(folder)
+        model = ["model=hf_causal_lm", f"model.block_size={args.block_size}", "objective=causal_lm",
+                 f"model.pretrained={folder}", f"model.peft={LORA}", "data.tokenizer=null"]
+    common = [*model, f"data.batch_size={args.batch_size}", f"trainer.max_steps={args.steps}",
+              f"trainer.checkpoint_every={args.steps - 1}", f"trainer.async_checkpoint={str(args.async_save).lower()}",
+              "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.monitor=null",
+              "trainer.hang_report_s=3600"]
+    rows = {"parameters": parameters}
+    for layout in args.layouts:
+        processes = 1 if layout == "one" else args.processes
+        needed = state_per_rank(parameters, layout, processes, args.pretrained) * processes
+        if not torch.cuda.is_available() and needed > available_bytes():
+            rows[layout] = {"would_not_fit": f"model state and imports {needed / 2**30:.1f} GiB on this host (all "
+                                             f"ranks), {available_bytes() / 2**30:.1f} GiB available"}
+            continue
+        run_dir, resumed_dir = work / f"{layers}x{hidden}_{layout}", work / f"{layers}x{hidden}_{layout}_resumed"
+        command = launch(layout, processes)
+        run([*command, *common, f"hydra.run.dir={run_dir}"])
+        checkpoint = run_dir / "checkpoints" / f"step_{args.steps - 1:08d}"
+        run([*launch(layout, processes), *common, f"resume={checkpoint}", f"hydra.run.dir={resumed_dir}"])
+        summary = json.loads((run_dir / "summary.json").read_text())
+        resumed = json.loads((resumed_dir / "summary.json").read_text())
+        step_times = [s.value for s in scalars(run_dir, "train/step_time")][1:]  # the first step compiles, warms
+        memory = summary["peak_memory_gib"]
+        rows[layout] = {
+            "processes": processes,
+            "peak_rss_gib_per_rank": [round(m, 2) for m in memory["rss_per_rank"]],
+            **({"cuda_peak_gib": round(memory["cuda"], 2)} if "cuda" in memory else {}),
+            "step_time_s": round(median(step_times), 2),
+            "tokens_per_second": round(summary["tokens_per_second"], 1),
+            "save_blocked_s": round(scalars(run_dir, "checkpoint/blocking_s")[0].value, 2),
+            "checkpoint_gb": round(sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / 1e9, 2),
+            "first_step_after_s": round(summary["time_s"]["start-up"], 1),
+            "first_step_after_resume_s": round(resumed["time_s"]["start-up"], 1),
+        }
+        shutil.rmtree(run_dir), shutil.rmtree(resumed_dir)  # gigabytes of checkpoints per size and layout
+    peaks = {k: max(v["peak_rss_gib_per_rank"]) for k, v in rows.items() if isinstance(v, dict) and "processes" in v}
+    for layout, base in (("fsdp2", "ddp"), ("fsdp2", "one")):
+        if layout in peaks and base in peaks:
+            rows[f"{layout}_over_{base}_peak"] = round(peaks[layout] / peaks[base], 2)
+    return rows
+
+
+def scale(args) -> dict:
+    work = Path(args.dir)
+    work.mkdir(parents=True, exist_ok=True)
+    report = {"glibc_malloc_mmap_threshold": args.malloc_mmap_threshold or "default (dynamic)"}
+    if args.malloc_mmap_threshold:  # every layout's processes alike (they inherit the environment)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    with tempfile.TemporaryDirectory(dir=work) as tmp:
+        for size in args.sizes:
+            layers, hidden = (int(x) for x in size.split("x"))
+            report[size] = one_size(args, layers, hidden, Path(tmp))
+            print(json.dumps({size: report[size]}), flush=True)  # a long benchmark: each size as it ends
+    return report
+
+
+def add_commands(commands) -> dict:
+    c = commands.add_parser("scale", help="memory and time per rank by model size: one process, DDP, FSDP2")
+    c.add_argument("--sizes", nargs="+", default=["10x640", "16x1024"], help="LAYERSxHIDDEN, Llama-shaped")
+    c.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=["ddp", "fsdp2", "fsdp2_whole_copy"])
+    c.add_argument("--processes", type=int, default=2)
+    c.add_argument("--steps", type=int, default=3, help="optimizer steps; a checkpoint at the one before last")
+    c.add_argument("--batch-size", type=int, default=2)
+    c.add_argument("--block-size", type=int, default=256)
+    c.add_argument("--pretrained", action="store_true", help="LoRA on a saved pretrained folder of each size")
+    c.add_argument("--async-save", action="store_true", help="trainer.async_checkpoint=true")
+    c.add_argument("--dir", default=str(ROOT / "outputs" / "scale"), help="where the runs and checkpoints go")
+    c.add_argument("--malloc-mmap-threshold", type=int, default=None, help=(
+        "glibc's MALLOC_MMAP_THRESHOLD_ for every run: a fixed threshold returns each freed large block to the "
+        "system at once (the default threshold rises to 32 MB as blocks are freed, and freed layer-sized blocks "
+        "then stay resident); on CPU it changes the peak far more than the layout's difference at small sizes"))
+    return {"scale": scale}
