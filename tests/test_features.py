@@ -247,6 +247,7 @@ def wandb_offline_records(run_file):
             record = b""
 
 
+@pytest.mark.slow  # optional trackers: the default suite keeps TensorBoard's tests
 def test_mlflow_and_wandb_log_offline_from_one_rank_and_a_resumed_run_continues_the_same_runs(tmp_path):
     pytest.importorskip("mlflow", reason="optional: pip install -r requirements-extras.txt")
     pytest.importorskip("wandb", reason="optional: pip install -r requirements-extras.txt")

@@ -13,6 +13,7 @@ from tests.conftest import (QUIET, ROOT, TINY_GPT, exported_weights, free_port, 
                             start, wait_for, worker_pids)
 
 
+@pytest.mark.slow  # the harness's fidelity to a real launch: every default test relies on it
 def test_a_forked_launch_trains_the_weights_a_fresh_python_does_and_fails_as_it_does(tmp_path):
     args = [*TINY_GPT, *QUIET, "model.dropout=0.1", "trainer.max_steps=3", "trainer.eval_batches=2"]
     forked = run([*args, f"hydra.run.dir={tmp_path / 'forked'}"])
@@ -49,6 +50,7 @@ def test_a_forked_launch_that_ends_early_is_seen_ending_by_poll(tmp_path):
     assert proc.returncode not in (None, 0)
 
 
+@pytest.mark.slow  # the harness's fidelity to a real launch: every default test relies on it
 def test_a_forked_two_process_launch_trains_what_the_real_launcher_does_and_its_workers_read_its_flags(tmp_path):
     args = [*TINY_GPT, *QUIET, "model.dropout=0.1", "trainer.max_steps=3", "data.batch_size=4"]
     def launcher() -> list[str]:
