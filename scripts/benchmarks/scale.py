@@ -135,7 +135,8 @@ def scale(args) -> dict:
         for size in args.sizes:
             layers, hidden = (int(x) for x in size.split("x"))
             report[size] = one_size(args, layers, hidden, Path(tmp))
-            print(json.dumps({size: report[size]}), flush=True)  # a long benchmark: each size as it ends
+            # A long benchmark: each size as it ends, on stderr (stdout is the one JSON report a script reads).
+            print(json.dumps({size: report[size]}), file=sys.stderr, flush=True)
     return report
 
 
