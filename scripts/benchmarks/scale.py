@@ -54,13 +54,15 @@ def launch(layout: str, processes: int) -> list[str]:
 BASE_PER_PROCESS = 0.6 * 2**30  # a training process before its model: torch, transformers, the data
 
 
-def state_per_rank(parameters: int, layout: str, processes: int, pretrained: bool) -> int:
-    """fp32 weights, and for what trains its gradients and AdamW's two moments: sharded under FSDP2; DDP keeps one
-    more gradient-sized copy in its all-reduce buckets (trainer.ddp_gradient_as_bucket_view=false)."""
-    shards = processes if layout.startswith("fsdp2") else 1
-    trainable = 0 if pretrained else parameters  # LoRA's adapter is too small to count here
-    copies = 1 + 3 + (1 if layout == "ddp" else 0)
-    return int((parameters * 4 + (copies - 1) * trainable * 4) // shards + BASE_PER_PROCESS)
+def state_per_rank(model, layout: str, processes: int, pretrained: bool) -> int:
+    """The banner's arithmetic (src/launch/memory.py) for the layout, LoRA's adapter left out (too small to count);
+    DDP keeps one more gradient-sized copy in its all-reduce buckets (trainer.ddp_gradient_as_bucket_view=false)."""
+    from src.launch.memory import model_state
+
+    if pretrained:
+        model.requires_grad_(False)
+    state = model_state(model, "torch.optim.AdamW", processes if layout.startswith("fsdp2") else 1)
+    return int(state.total + (state.gradients if layout == "ddp" else 0) + BASE_PER_PROCESS)
 
 
 def available_bytes() -> int:
@@ -73,9 +75,9 @@ def one_size(args, layers: int, hidden: int, work: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = llama(layers, hidden, args.block_size)
-    with torch.device("meta"):
-        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(
-            AutoConfig.for_model(**config, vocab_size=65)).parameters())  # the bundled text's characters
+    with torch.device("meta"):  # shapes only: the bundled text's 65 characters
+        meta_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config, vocab_size=65))
+    parameters = sum(p.numel() for p in meta_model.parameters())
     model = ["model=hf_causal_lm", f"model.block_size={args.block_size}", "objective=causal_lm", "~model.config",
              "+model.config=" + json.dumps({**config, "vocab_size": "${dataset:vocab_size}"}).replace('"', "")]
     if args.pretrained:  # a saved folder of this size, each layout reads it; LoRA trains on it
@@ -92,7 +94,7 @@ def one_size(args, layers: int, hidden: int, work: Path) -> dict:
     rows = {"parameters": parameters}
     for layout in args.layouts:
         processes = 1 if layout == "one" else args.processes
-        needed = state_per_rank(parameters, layout, processes, args.pretrained) * processes
+        needed = state_per_rank(meta_model, layout, processes, args.pretrained) * processes
         if not torch.cuda.is_available() and needed > available_bytes():
             rows[layout] = {"would_not_fit": f"model state and imports {needed / 2**30:.1f} GiB on this host (all "
                                              f"ranks), {available_bytes() / 2**30:.1f} GiB available"}
