@@ -5,6 +5,7 @@ and export (test_fsdp.py).
 """
 
 import json
+import os
 
 import pytest
 
@@ -97,3 +98,18 @@ def test_telemetry_reports_cuda_memory_nvml_state_and_mfu_of_the_gpus_the_run_se
     tags = scalar_events(run_dir).Tags()["scalars"]
     assert {tag.split("/")[1] for tag in tags if tag.startswith("gpu/")} == {"0"}
     assert json.loads((run_dir / "summary.json").read_text())["peak_memory_gib"]["cuda"] > 0
+
+
+def test_the_chunked_loss_lowers_a_cuda_micro_steps_peak_memory_and_keeps_its_loss(tmp_path):
+    """objective.chunk_tokens on the GPU, through scripts/benchmark.py loss-memory (CUDA's allocator peaks): the
+    whole logits of a 128k vocabulary are never held, and the loss is the plain one within float rounding."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    done = subprocess.run([sys.executable, "scripts/benchmark.py", "loss-memory", "--device", "cuda"], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **GPU_ENV}, check=True)
+    report = json.loads(done.stdout)
+    assert report["peak_ratio_plain_over_chunked"] >= 2, report
+    assert report["loss_difference"] <= 1e-6 * abs(report["chunk_tokens=null"]["loss"]), report
