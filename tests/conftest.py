@@ -4,6 +4,7 @@ import contextlib
 import getpass
 import hashlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -128,8 +129,22 @@ def refused(proc: subprocess.CompletedProcess, *names: str) -> None:
     it is about, and what it suggests) in what was printed. The sentence around them is free to change."""
     assert proc.returncode == 1, f"exit status {proc.returncode}:\n{proc.stdout[-3000:]}"
     assert "Traceback" not in proc.stdout, proc.stdout[-3000:]
-    missing = [name for name in names if name not in proc.stdout]
-    assert not missing, f"not named: {missing}\n{proc.stdout[-3000:]}"
+    named(proc.stdout, *names)
+
+
+def named(text: str, *names: str) -> None:
+    """Each of `names` (keys, values, files, what a message suggests) appears in `text`, in any sentence: a test of
+    a message pins what it is about, not its wording."""
+    missing = [name for name in names if name not in text]
+    assert not missing, f"not named: {missing}\n{text[-3000:]}"
+
+
+def banner_row(output: str, key: str) -> str:
+    """The value of one row of the launch banner (src/launch/banner.py) in a run's output, whatever its column
+    width."""
+    match = re.search(rf"^{re.escape(key)} +: (.*)$", output, re.MULTILINE)
+    assert match, f"no banner row {key!r}:\n{output[-3000:]}"
+    return match.group(1)
 
 
 def launchers_root_cause(output: str) -> str:

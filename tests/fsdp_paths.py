@@ -62,7 +62,7 @@ with tempfile.TemporaryDirectory() as tmp:
         guard.settle()
         raise AssertionError("a NaN step on sharded weights was not reported")
     except NonFiniteStep as error:
-        assert str(error).startswith("step 2: the loss or the gradient norm is not finite"), error
+        assert str(error).startswith("step 2:") and "not finite" in str(error), error
 
     export_dir = Path(broadcast_object_list([tmp])[0]) / "model"  # rank 0's directory, on every rank
     export_model(accelerator, sharded, config, export_dir)

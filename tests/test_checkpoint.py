@@ -9,7 +9,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from src.optim.schedules import warmup_cosine
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, kill_when, max_abs_diff, refused, run, scalars
+from tests.conftest import (
+    QUIET,
+    ROOT,
+    TINY_GPT,
+    exported_weights,
+    kill_when,
+    max_abs_diff,
+    named,
+    refused,
+    run,
+    scalars,
+)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +107,7 @@ def test_a_checkpoint_resumes_on_another_number_of_processes_with_the_same_globa
     assert not (run_dir / "model").exists()
     proc = run([*args, f"trainer.gradient_accumulation_steps={new_accumulation}", "resume=auto"], nproc=new_nproc)
     assert "resumed from" in proc.stdout and "epoch 1," in proc.stdout  # mid-way through the second epoch
-    assert "continues statistically, not bitwise, the same" in proc.stdout
+    assert "not bitwise" in proc.stdout  # a new split of the global batch is said to be a new random stream
 
     expected, got = scalars(uninterrupted_global_batch_8, "train/loss"), scalars(run_dir, "train/loss")
     assert sorted(got) == list(range(1, 61))
@@ -206,8 +217,7 @@ def test_resume_accepts_and_logs_a_longer_max_steps_and_keeps_the_schedule_it_st
     args = [*TINY_GPT, *QUIET, "scheduler.warmup_steps=2", f"hydra.run.dir={tmp_path / 'run'}"]
     run([*args, "trainer.max_steps=6"])
     proc = run([*args, "trainer.max_steps=9", "resume=auto"])
-    assert "override accepted: trainer.max_steps: 6 -> 9" in proc.stdout
-    assert "the LR schedule keeps the length it was built with (scheduler.total_steps=6)" in proc.stdout
+    named(proc.stdout, "trainer.max_steps: 6 -> 9", "scheduler.total_steps=6")
     assert sorted(scalars(tmp_path / "run", "train/loss")) == list(range(1, 10))
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
     schedule = warmup_cosine(optimizer, total_steps=6, warmup_steps=2)
@@ -225,6 +235,9 @@ def test_resume_from_a_truncated_checkpoint_names_the_file(finished_run):
     optimizer_file.write_bytes(optimizer_file.read_bytes()[:1000])
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
     refused(proc, str(optimizer_file), "resume=PATH")
+    older = finished_run / "checkpoints" / "step_00000003"  # the suggestion, typed
+    resumed = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", f"resume={older}", f"hydra.run.dir={finished_run}"])
+    assert "resumed from" in resumed.stdout
 
 
 def test_resume_from_a_checkpoint_corrupted_mid_file_names_the_file(finished_run):
@@ -301,5 +314,6 @@ def test_sharded_checkpoint_directories_are_fsynced_and_accepted_and_a_truncated
         check_readable(checkpoint)
     intact = fsdp_shaped_checkpoint(tmp_path / "other")
     (intact / "pytorch_model_fsdp_0" / ".metadata").unlink()
-    with pytest.raises(Exception, match=r"pytorch_model_fsdp_0/.metadata is missing"):
+    with pytest.raises(Exception) as error:
         check_readable(intact)
+    named(str(error.value), "pytorch_model_fsdp_0/.metadata")

@@ -91,6 +91,7 @@ def test_a_model_that_changes_its_logits_after_the_output_layer_is_refused_namin
     with pytest.raises(UsageError, match="objective.chunk_tokens") as refused:
         Forward(CausalLM(chunk_tokens=8), compile=False).loss_sum(model, {"input_ids": ids}, ids)
     assert "objective.chunk_tokens=null" in str(refused.value)
+    Forward(CausalLM(chunk_tokens=None), compile=False).loss_sum(model, {"input_ids": ids}, ids)  # as suggested
 
 
 def test_training_with_chunked_loss_under_ddp_and_fsdp2_matches_the_plain_loss(tmp_path):

@@ -9,15 +9,27 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import (QUIET, ROOT, TINY_GPT, exported_weights, free_port, launch_command, max_abs_diff, run,
-                            scalars, start)
+from tests.conftest import (
+    QUIET,
+    ROOT,
+    TINY_GPT,
+    banner_row,
+    exported_weights,
+    free_port,
+    launch_command,
+    max_abs_diff,
+    named,
+    run,
+    scalars,
+    start,
+)
 
 
 def test_two_process_run_is_real_ddp_with_identical_replicas_own_dropout_streams_and_one_set_of_outputs(tmp_path):
     run_dir = tmp_path / "run"
     proc = run([*TINY_GPT, *QUIET, "model.dropout=0.1", "trainer.max_steps=12", "trainer.eval_every=6",
                 "data.batch_size=8", f"hydra.run.dir={run_dir}"], nproc=2)
-    assert "distributed type            : DistributedType.MULTI_CPU" in proc.stdout
+    assert banner_row(proc.stdout, "distributed type") == "DistributedType.MULTI_CPU"
     assert proc.stdout.count("distributed type ") == 1  # the banner is printed once, by rank 0
     assert "(a whole copy on each rank): weights" in proc.stdout  # DDP: the model's state is not sharded
     fingerprints = re.search(r"parameter fingerprint per rank .*: \[(.*)\]", proc.stdout).group(1).split(", ")
@@ -101,8 +113,23 @@ def test_bare_num_processes_without_cuda_warns_with_the_command_that_works(tmp_p
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'bare'}"],
                command=[sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines",
                         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "train.py"])
-    assert "The launcher was asked for 2 processes (launcher: --num_processes) but started ONE" in proc.stdout
-    assert "accelerate launch --multi_gpu --num_processes 2 train.py" in proc.stdout
+    named(proc.stdout, "2 processes", "--num_processes", "ONE",
+          "accelerate launch --multi_gpu --num_processes 2 train.py")
+
+
+def test_a_launch_without_a_shared_store_is_refused_a_default_run_dir_and_accepts_the_one_suggested(
+        monkeypatch, tmp_path):
+    """srun's tasks (no torch elastic agent) cannot agree on a timestamp: they are asked for hydra.run.dir."""
+    from src.errors import UsageError
+    from src.launch.hydra_hooks import shared_timestamp
+    from tests.test_config import compose_train
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(UsageError) as refused:
+        shared_timestamp.__wrapped__()
+    named(str(refused.value), "hydra.run.dir=PATH")
+    assert compose_train([f"hydra.run.dir={tmp_path}"]).hydra.run.dir == str(tmp_path)  # typed: nothing to agree on
 
 
 def test_workers_that_form_no_process_group_stop_with_a_clear_error():
@@ -134,9 +161,8 @@ def test_more_processes_on_a_node_than_gpus_is_refused_naming_the_launches_that_
         check_gpus_per_node(processes, gpus)  # CPU processes, or one GPU each
     with pytest.raises(LaunchError) as refused:
         check_gpus_per_node(2, 1)
-    assert "2 processes were started on this node but it has 1 visible GPU(s)" in str(refused.value)
-    assert "accelerate launch train.py" in str(refused.value)
-    assert "CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu --num_processes 2 train.py" in str(refused.value)
+    named(str(refused.value), "2 processes", "1 visible GPU", "accelerate launch train.py",
+          "CUDA_VISIBLE_DEVICES= accelerate launch --multi_gpu --num_processes 2 train.py")
     with pytest.raises(LaunchError, match="--multi_gpu --num_processes 4 train.py"):
         check_gpus_per_node(8, 4)
 
@@ -194,7 +220,7 @@ def test_a_multi_machine_job_with_no_reachable_interface_leaves_gloo_alone_with_
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(network, "default_route_interface", lambda: None)  # a machine without a default route
     assert network.choose_gloo_interface() is None and "GLOO_SOCKET_IFNAME" not in os.environ
-    assert "set GLOO_SOCKET_IFNAME to the interface the machines reach each other on" in caplog.text
+    named(caplog.text, "set GLOO_SOCKET_IFNAME")
 
 
 def test_two_machines_whose_host_name_is_loopback_train_over_gloo_on_the_routed_interface(tmp_path):
@@ -207,7 +233,6 @@ def test_two_machines_whose_host_name_is_loopback_train_over_gloo_on_the_routed_
     outputs = [machine.communicate(timeout=300)[0] for machine in machines]
     assert [machine.returncode for machine in machines] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     for output in outputs:  # each machine chose for itself
-        assert f"resolves to a loopback address, which the other machines cannot reach: gloo binds to " \
-               f"{interface}" in output
-    assert "distributed type            : DistributedType.MULTI_CPU" in outputs[0]
+        named(output, "loopback", f"gloo binds to {interface}")
+    assert banner_row(outputs[0], "distributed type") == "DistributedType.MULTI_CPU"
     assert sorted(scalars(tmp_path / "run", "train/loss")) == [1, 2, 3]

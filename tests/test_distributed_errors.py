@@ -7,7 +7,7 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from src.errors import DistributedFailure, UsageError, told_to_the_launcher
 from src.faults.distributed_errors import lost_ranks_in_our_words
-from tests.conftest import QUIET, TINY_GPT, launchers_root_cause, refused, run
+from tests.conftest import QUIET, TINY_GPT, launchers_root_cause, named, refused, run
 
 
 def test_a_multi_process_launch_refused_before_training_ends_with_its_reason_in_the_launchers_table(tmp_path):
@@ -67,4 +67,4 @@ def test_a_main_port_in_use_is_named_with_the_ways_to_choose_another(tmp_path):
 def test_a_lost_peer_is_told_apart_from_a_silent_one(gloo_says, why):
     with pytest.raises(DistributedFailure) as failure, lost_ranks_in_our_words(None):
         raise RuntimeError(gloo_says)
-    assert f"A collective operation ended without every rank ({gloo_says}): {why}" in str(failure.value)
+    named(str(failure.value), gloo_says, why)

@@ -2,13 +2,14 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from src.optim.schedules import warmup_cosine
-from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, refused, run, scalars
+from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, named, refused, run, scalars
 
 ARGS = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.checkpoint_every=1", "trainer.monitor=null",
         "scheduler.warmup_steps=2", "trainer.max_steps=8"]
@@ -21,7 +22,8 @@ def test_a_huge_learning_rate_stops_every_rank_at_the_first_nonfinite_step_and_s
                check=False)
     assert proc.returncode != 0
     step = int(proc.stdout.split("step ", 1)[1].split(":")[0]) if "is not finite" in proc.stdout else None
-    assert step is not None and "the loss or the gradient norm is not finite" in proc.stdout, proc.stdout[-3000:]
+    assert step is not None, proc.stdout[-3000:]
+    named(proc.stdout, "optimizer.lr", "trainer.max_grad_norm", "trainer.nonfinite=skip")  # what to change
     assert f"{run_dir / 'checkpoints'} is intact" in proc.stdout
     assert 'train.py", line' not in proc.stdout  # the launcher prints its own traceback for a failed worker
     assert not (run_dir / "model").exists() and not (run_dir / "model_best").exists()
@@ -37,7 +39,7 @@ def test_a_nonfinite_step_between_logs_stops_the_run_at_the_next_logging_step_wi
     proc = run([*ARGS, NAN_MODEL, "+model.nan_calls=[6]", "trainer.log_every=4", "trainer.checkpoint_every=4",
                 f"hydra.run.dir={run_dir}"], nproc=2, check=False)
     assert proc.returncode != 0
-    assert "step 6: the loss or the gradient norm is not finite" in proc.stdout, proc.stdout[-3000:]
+    assert re.search(r"step 6: .*not finite", proc.stdout), proc.stdout[-3000:]
     assert [p.name for p in (run_dir / "checkpoints").glob("step_*")] == ["step_00000004"]
     assert list(scalars(run_dir, "train/loss")) == [4] and not (run_dir / "model").exists()
 
@@ -138,8 +140,7 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
         assert "HANG? rank 1" not in output  # the stopped rank says nothing: that is how it shows
         assert f"Not answering: rank 1 (pid {stopped} on {os.uname().nodename}: last finished step" in report
         # The end, in our words: which rank, not gloo's RuntimeError and a traceback of the loop.
-        assert "A collective operation ended without every rank" in output
-        assert f"trainer.dist_timeout_s=10 s passed. Not answering: rank 1 (pid {stopped}" in output
+        named(output, "trainer.dist_timeout_s=10", f"Not answering: rank 1 (pid {stopped}")
         assert "RuntimeError: [" not in output
     finally:
         end_launch(proc, stopped)

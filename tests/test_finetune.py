@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from src.errors import UsageError
-from tests.conftest import (HF_HOME, PRETRAINED_VOCAB, QUIET, exported_weights, kill_when, max_abs_diff,
+from tests.conftest import (HF_HOME, PRETRAINED_VOCAB, QUIET, exported_weights, kill_when, max_abs_diff, named,
                             put_in_hub_cache, run, scalars)
 
 transformers = pytest.importorskip("transformers")
@@ -74,15 +74,14 @@ def test_pretrained_weights_load_in_the_dtype_and_attention_kernel_asked_for(pre
     assert model.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing", "model.pretrained={p}: no such folder"),
-    ("no_config", "model.pretrained={p}: no config.json in it"),
-    ("no_weights", "model.pretrained={p}: Error no file named model.safetensors"),
-    ("positions", "model.block_size=65 exceeds the 64 positions of model.pretrained={p}"),
-    ("peft_target", "model.peft={{'peft_type': 'LORA', 'target_modules': ['q_proj']}}: Target modules {{'q_proj'}} "
-                    "not found in the base model"),
+@pytest.mark.parametrize("case, names", [
+    ("missing", ("model.pretrained={p}", "no such folder")),
+    ("no_config", ("model.pretrained={p}", "config.json")),
+    ("no_weights", ("model.pretrained={p}", "model.safetensors")),
+    ("positions", ("model.block_size=65", "64 positions", "model.pretrained={p}")),
+    ("peft_target", ("model.peft=", "'q_proj'", "not found")),
 ])
-def test_a_pretrained_folder_that_cannot_serve_is_refused_naming_the_key(tmp_path, pretrained, case, message):
+def test_a_pretrained_folder_that_cannot_serve_is_refused_naming_the_key(tmp_path, pretrained, case, names):
     from src.models.hf_causal_lm import causal_lm_from_config
 
     folder = {"missing": tmp_path / "nothing", "no_config": tmp_path, "no_weights": tmp_path}.get(case, pretrained)
@@ -94,7 +93,7 @@ def test_a_pretrained_folder_that_cannot_serve_is_refused_naming_the_key(tmp_pat
         pytest.importorskip("peft")
     with pytest.raises(UsageError) as error:
         causal_lm_from_config({}, **{"block_size": 48, "pretrained": str(folder), **kwargs})
-    assert message.format(p=folder) in str(error.value)
+    named(str(error.value), *(name.format(p=folder) for name in names))
 
 
 def test_data_with_more_token_ids_than_a_pretrained_model_embeds_is_refused_before_training(pretrained):
@@ -105,9 +104,9 @@ def test_data_with_more_token_ids_than_a_pretrained_model_embeds_is_refused_befo
 
     model = causal_lm_from_config({}, block_size=48, pretrained=str(pretrained))
     check_vocabulary_fits(model, {"vocab_size": VOCAB}, OmegaConf.create({"pretrained": str(pretrained)}))
-    with pytest.raises(UsageError, match=rf"the data has 400 token ids but model.pretrained={pretrained} embeds 320: "
-                                         r"tokenize with the model's own tokenizer \(data.tokenizer=PATH"):
+    with pytest.raises(UsageError) as refused:
         check_vocabulary_fits(model, {"vocab_size": 400}, OmegaConf.create({"pretrained": str(pretrained)}))
+    named(str(refused.value), "400", f"model.pretrained={pretrained}", "320", "data.tokenizer=PATH")
 
 
 def test_text_data_reads_a_pretrained_folders_tokenizer_and_refuses_a_folder_without_one(tmp_path, pretrained):
@@ -233,10 +232,7 @@ def test_a_hub_id_neither_cached_nor_reachable_is_refused_naming_the_key_and_the
 
     with pytest.raises(UsageError) as error:
         local_path("nobody/nothing", key)
-    message = str(error.value)
-    assert message.startswith(f"{key}=nobody/nothing: no such local path (relative paths are relative to ")
-    assert f"hub cannot be reached (HF_HUB_OFFLINE is set) while its cache ({offline_hub}) has no copy" in message
-    assert "run `hf download nobody/nothing` on a machine with a network" in message
+    named(str(error.value), f"{key}=nobody/nothing", "HF_HUB_OFFLINE", str(offline_hub), "hf download nobody/nothing")
 
 
 def test_an_existing_path_wins_over_a_hub_id_of_the_same_name(offline_hub, tmp_path, monkeypatch):
@@ -303,10 +299,10 @@ def test_prompts_that_fill_the_block_are_counted_in_a_warning_and_a_missing_prom
     path = write_pairs(tmp_path)
     with caplog.at_level("WARNING"):
         JsonlData(block_size=4, path=str(path), prompt_key="prompt", tokenizer=str(pretrained), batch_size=4)
-    assert "40 of the first 40 samples have no completion token within data.block_size=4" in caplog.text
-    with pytest.raises(ValueError, match=r"pairs.jsonl:1: no 'question' key \(data.prompt_key\); keys: \['prompt', "
-                                         r"'text'\]"):
+    named(caplog.text, "40 of the first 40 samples", "data.block_size=4")
+    with pytest.raises(ValueError) as refused:
         JsonlData(block_size=48, path=str(path), prompt_key="question", batch_size=4)
+    named(str(refused.value), "pairs.jsonl:1", "'question'", "data.prompt_key", "['prompt', 'text']")
 
 
 def test_instruction_tuning_a_pretrained_model_learns_its_answers(tmp_path, pretrained):
@@ -351,9 +347,9 @@ def test_a_conversation_is_rendered_by_the_chat_template_and_trains_on_the_assis
     rows = HFDataset(path=str(tmp_path / "chats.parquet"), prompt_column="prompt", **options)
     assert rows.train[0]["labels"].tolist() == data.train[0]["labels"].tolist()
 
-    with pytest.raises(UsageError, match=r"data: prompts and completions given as messages need a tokenizer with "
-                                         r"a chat template"):
+    with pytest.raises(UsageError) as refused:
         JsonlData(path=str(write_pairs(tmp_path, CHATS)), prompt_key="prompt", block_size=48, batch_size=4)
+    named(str(refused.value), "chat template", "data.tokenizer")
 
 
 # The same rendering, its assistant turns marked for transformers' return_assistant_tokens_mask.

@@ -5,7 +5,18 @@ import os
 import signal
 from pathlib import Path
 
-from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars, start, wait_for, worker_pids
+from tests.conftest import (
+    QUIET,
+    TINY_GPT,
+    exported_weights,
+    max_abs_diff,
+    named,
+    run,
+    scalars,
+    start,
+    wait_for,
+    worker_pids,
+)
 
 PREEMPTED_EXIT_CODE = 75
 
@@ -63,9 +74,9 @@ def test_ctrl_c_finishes_the_step_saves_and_says_how_to_resume_and_a_second_one_
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, output[-3000:]
-    assert output.count("Interrupted: finishing the step, saving a checkpoint") == 1  # not the workers too
+    assert output.count("Interrupted:") == 1  # not the workers too
     assert "on SIGINT" in output
-    assert f"to continue: the same command with resume=auto hydra.run.dir={run_dir}" in output
+    named(output, f"resume=auto hydra.run.dir={run_dir}")  # how to continue
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
     stopped_at = json.loads((run_dir / "summary.json").read_text())["steps"]
     assert 50 < stopped_at < 100  # the step in progress, not the next one that logs or saves
@@ -81,7 +92,7 @@ def test_ctrl_c_finishes_the_step_saves_and_says_how_to_resume_and_a_second_one_
     wait_for(lambda: "Interrupted: finishing the step" in proc.output(), proc)
     os.killpg(proc.pid, signal.SIGINT)
     output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Interrupted again: stopping now, without saving" in output, output[-3000:]
+    assert proc.returncode == 130 and "Interrupted again" in output, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output and "stopping at step" not in output
     resumed = run([*args[:-1], "trainer.checkpoint_every=1000", "trainer.max_steps=5", "resume=auto"])
     assert "resumed from" in resumed.stdout  # what the second Ctrl-C left is a resumable run

@@ -10,7 +10,7 @@ from src.data.tokenizer import Codec
 from src.errors import UsageError
 from src.loop.sampling import sample_texts
 from src.models.gpt import GPT
-from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, named, run, scalars
 
 CHARS = "\n !',.:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
@@ -50,8 +50,9 @@ def test_a_codec_saved_with_an_export_encodes_and_decodes_as_the_data_did(tmp_pa
 
 
 def test_a_prompt_outside_a_character_vocabulary_is_refused_naming_the_characters():
-    with pytest.raises(UsageError, match=r"the characters '#é' are not in the data's vocabulary"):
+    with pytest.raises(UsageError) as refused:
         Codec("char", CHARS).encode("é# ROMEO")
+    named(str(refused.value), "'#é'")
 
 
 def test_samples_during_training_are_logged_and_change_nothing_and_sample_py_repeats_them_from_the_export(tmp_path):
@@ -94,8 +95,10 @@ def test_sampling_is_refused_before_training_without_text_or_with_a_prompt_the_d
 
     accelerator, model = Accelerator(cpu=True), tiny_gpt()
     Sampler(accelerator, TrainerConfig(sample_every=5, sample_prompts=("ROMEO:",)), Codec("char", CHARS), model, 16)
-    with pytest.raises(UsageError, match="trainer.sample_every needs text data that can encode prompts"):
+    with pytest.raises(UsageError) as refused:
         Sampler(accelerator, TrainerConfig(sample_every=5), None, model, 16)
-    with pytest.raises(UsageError, match="trainer.sample_prompts: 'ROMEO#': the characters '#' are not in"):
+    named(str(refused.value), "trainer.sample_every")
+    with pytest.raises(UsageError) as refused:
         Sampler(accelerator, TrainerConfig(sample_every=5, sample_prompts=("ROMEO#",)), Codec("char", CHARS), model, 16)
+    named(str(refused.value), "trainer.sample_prompts", "'ROMEO#'", "'#'")
     Sampler(accelerator, TrainerConfig(sample_every=0, sample_prompts=("ROMEO#",)), None, model, 16)  # off: no check

@@ -9,7 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, launch_command, max_abs_diff, run, scalars
+from tests.conftest import (
+    QUIET,
+    ROOT,
+    TINY_GPT,
+    banner_row,
+    exported_weights,
+    launch_command,
+    max_abs_diff,
+    run,
+    scalars,
+)
 
 
 def cluster_is_up() -> bool:
@@ -154,7 +164,8 @@ def test_a_submitit_sweep_runs_each_job_on_two_nodes_resumes_a_preempted_job_and
     assert "#SBATCH --requeue" in next((sweep / ".submitit").glob("*/*_submission.sh")).read_text()
     for number, lr in ((0, "0.001"), (1, "0.003")):
         log = (sweep / str(number) / "train.log").read_text()
-        assert "processes                   : 2 (1 per node, 2 node(s))" in log and "DistributedType.MULTI_CPU" in log
+        assert banner_row(log, "processes") == "2 (1 per node, 2 node(s))"
+        assert banner_row(log, "distributed type") == "DistributedType.MULTI_CPU"
         assert f"  lr: {lr}\n" in (sweep / str(number) / "config.yaml").read_text()
         best = json.loads((sweep / str(number) / "summary.json").read_text())["best"]["value"]
         # What the launcher hands Hydra's sweeper: node 0's return value of train.py's main.

@@ -9,7 +9,7 @@ import torch
 
 from src.data.text import TextData, TokenWindows
 from src.launch.accelerator import glibc
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+from tests.conftest import QUIET, ROOT, TINY_GPT, banner_row, exported_weights, max_abs_diff, named, run, scalars
 
 SHORT = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "trainer.checkpoint_every=0", "trainer.monitor=null",
          "optimizer.lr=1e-2", "scheduler.warmup_steps=2"]
@@ -76,8 +76,8 @@ def test_auto_micro_batch_keeps_the_global_batch_and_the_weights_of_the_configur
     auto = [*configured, "model._target_=tests.components.OutOfMemoryAbove", "+model.max_batch=2",
             "data.eval_batch_size=2", "trainer.auto_micro_batch=true", f"hydra.run.dir={tmp_path / 'auto'}"]
     proc = run(auto)
-    assert "auto micro-batch: 2 samples per process x 4 micro-steps" in proc.stdout
-    assert "global batch size           : 8 (= 2 per process x 1 processes x 4 micro-steps)" in proc.stdout
+    named(proc.stdout, "auto micro-batch: 2 samples per process")
+    assert banner_row(proc.stdout, "global batch size") == "8 (= 2 per process x 1 processes x 4 micro-steps)"
     assert max_abs_diff(exported_weights(tmp_path / "configured"), exported_weights(tmp_path / "auto")) <= 1e-5
 
     saved = (tmp_path / "auto" / "config.yaml").read_text()

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from src.checkpointing.export import load_exported_model
 from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
 from src.checkpointing.layout import complete_checkpoints
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, run, scalars
+from tests.conftest import QUIET, ROOT, TINY_GPT, banner_row, exported_weights, max_abs_diff, run, scalars
 
 
 def learned(losses: dict[int, float], margin: float) -> bool:
@@ -77,7 +77,7 @@ def test_bf16_mixed_precision_trains_on_cpu(tmp_path):
     run_dir = tmp_path / "run"
     proc = run([*TINY_GPT, *QUIET, "trainer.mixed_precision=bf16", "trainer.max_steps=30", "data.batch_size=16",
                 "optimizer.lr=3e-3", "scheduler.warmup_steps=5", f"hydra.run.dir={run_dir}"])
-    assert "mixed precision             : bf16 (config: trainer.mixed_precision)" in proc.stdout
+    assert banner_row(proc.stdout, "mixed precision") == "bf16 (config: trainer.mixed_precision)"
     losses = scalars(run_dir, "train/loss")
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
     assert learned(losses, margin=0.3)
@@ -109,7 +109,7 @@ def test_a_compiled_ddp_run_learns_what_the_eager_one_does_and_exports_weights_a
     args = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "data.batch_size=8", "trainer.eval_batches=3"]
     for mode in ("eager", "compiled"):
         proc = run([*args, f"trainer.compile={mode == 'compiled'}", f"hydra.run.dir={tmp_path / mode}"], nproc=2)
-    assert "torch.compile               : the training step (mode default) and evaluation" in proc.stdout
+    assert banner_row(proc.stdout, "torch.compile") == "the training step (mode default) and evaluation"
     eager, compiled = scalars(tmp_path / "eager", "train/loss"), scalars(tmp_path / "compiled", "train/loss")
     assert eager.keys() == compiled.keys() and all(abs(eager[s] - compiled[s]) < 1e-4 for s in eager)
     assert abs(scalars(tmp_path / "eager", "eval/loss")[6] - scalars(tmp_path / "compiled", "eval/loss")[6]) < 1e-4
