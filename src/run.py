@@ -84,9 +84,11 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     set_seed(cfg.trainer.seed)
 
     # A pretrained model or tokenizer named by a hub id: downloaded once per machine before anyone reads it.
-    commit = fetch_from_hub(accelerator, cfg.model, cfg.data, BUILT_IN_TOKENIZERS)
-    if commit and "revision" in cfg.model and cfg.model.revision is None:  # the newest: recorded, so that a
-        cfg = with_values(cfg, {"model.revision": commit})  # resume or an evaluation reads the same files
+    # The newest commit, where no revision was asked for, is recorded: a resume or an evaluation reads the same files.
+    commits = fetch_from_hub(accelerator, cfg.model, cfg.data, BUILT_IN_TOKENIZERS)
+    cfg = with_values(cfg, {revision: commits[key] for key, revision in (("model.pretrained", "model.revision"),
+                                                                        ("data.tokenizer", "data.tokenizer_revision"))
+                            if key in commits and OmegaConf.select(cfg, revision, default="absent") is None})
     # The data first: the model config may use sizes only the data knows (${dataset:vocab_size}).
     data = build(cfg.data, group="data")
     fingerprint = data.fingerprint()

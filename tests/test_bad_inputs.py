@@ -96,6 +96,17 @@ def test_text_that_characters_cannot_tokenize_trains_at_the_level_its_refusal_su
     assert build(OmegaConf.create({**node, key: value}), group="data").train
 
 
+def test_two_ways_of_randomising_windows_are_refused_and_each_alone_accepted():
+    from src.data.text import TextData
+
+    both = {"path": "data/tinyshakespeare.txt", "block_size": 64, "random_offset": True, "random_windows": True}
+    with pytest.raises(ValueError) as refused:
+        TextData(**both)
+    named(str(refused.value), "data.random_offset=true", "data.random_windows=true")
+    for key in ("random_offset", "random_windows"):  # "choose one", typed
+        assert TextData(**{**both, key: False}).train
+
+
 def test_a_batch_larger_than_the_training_set_is_refused():
     from src.data.text import TextData
 

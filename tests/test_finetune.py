@@ -74,6 +74,22 @@ def test_pretrained_weights_load_in_the_dtype_and_attention_kernel_asked_for(pre
     assert model.config._attn_implementation == "eager"
 
 
+def test_another_runs_weights_for_a_pretrained_model_are_refused_and_its_folder_as_model_pretrained_accepted(
+        pretrained):
+    """trainer.init_weights with model.pretrained: the refusal suggests model.pretrained=PATH; typed, it builds."""
+    from omegaconf import OmegaConf
+
+    from src.checkpointing.load import load_initial_weights
+    from src.models.hf_causal_lm import causal_lm_from_config
+
+    model = causal_lm_from_config({}, block_size=48, pretrained=str(pretrained))
+    with pytest.raises(UsageError) as refused:
+        load_initial_weights(model, pretrained, OmegaConf.create({"pretrained": "gpt2"}), None, {})
+    named(str(refused.value), f"trainer.init_weights={pretrained}", "model.pretrained=PATH")
+    typed = causal_lm_from_config({}, block_size=48, pretrained=str(pretrained))  # PATH: the run's folder
+    assert all(torch.equal(a, b) for a, b in zip(typed.state_dict().values(), model.state_dict().values()))
+
+
 @pytest.mark.parametrize("case, names", [
     ("missing", ("model.pretrained={p}", "no such folder")),
     ("no_config", ("model.pretrained={p}", "config.json")),
@@ -203,7 +219,8 @@ def test_a_hub_models_commit_is_recorded_and_a_resume_reads_it_after_the_hub_has
     args = ["trainer.max_steps=6", "trainer.checkpoint_every=2", "trainer.monitor=null"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     run([*finetune_args(repo_id, whole), *args])
-    assert OmegaConf.load(whole / "config.yaml").model.revision == a
+    saved = OmegaConf.load(whole / "config.yaml")
+    assert saved.model.revision == a and saved.data.tokenizer_revision == a  # the tokenizer: the same id's
     kill_when([*finetune_args(repo_id, killed), *args], 1,
               ready=lambda: (killed / "checkpoints" / "step_00000002").is_dir())
 

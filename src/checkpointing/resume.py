@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, RUN_CONFIG, STEP_DIR, complete_checkpoints
 from src.errors import UsageError
-from src.schema.data_sizes import data_sizes_unresolved
+from src.schema.data_sizes import resolved_but_data_sizes
 from src.schema.keys import flatten
 from src.schema.signature import complete, schema_of
 from src.schema.trainer import TrainerConfig
@@ -43,7 +43,7 @@ LAYOUT_ON_RESUME = {"data.batch_size", "trainer.gradient_accumulation_steps"}
 # null in a config means "the launcher decides"; a checkpoint records the value that was in effect.
 LAUNCHER_SETTABLE = {"trainer.mixed_precision", "trainer.gradient_accumulation_steps"}
 # null means "the newest": the run records the commit it started from (src/models/hub.py), which a resume keeps.
-DECIDED_BY_THE_RUN = {"model.revision"}
+DECIDED_BY_THE_RUN = {"model.revision", "data.tokenizer_revision"}
 
 
 def resume_source(resume: Optional[str], run_dir: Path) -> Optional[Path]:
@@ -139,8 +139,7 @@ def _per_process_samples(leaves: dict) -> Optional[int]:
 
 def _leaves(cfg: DictConfig) -> dict:
     """full.key -> value of every leaf (lists count as one value), resolved, enums as names."""
-    with data_sizes_unresolved():
-        return flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    return flatten(resolved_but_data_sizes(cfg, enum_to_str=True))
 
 
 def _under(leaf: str, scope: str) -> bool:

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size
 from src.data.jsonl import IGNORE_INDEX, conversation, pad_right, prompted, warn_untrained
-from src.data.tokenizer import codec_for
+from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
 from src.models.hub import dataset_path
 from src.schema.signature import Arg
@@ -75,6 +75,7 @@ class HFDataset(DataModule):
                                            gt=0, lt=1)] = 0.1,
         tokenizer: Annotated[Optional[str], Arg("byte, a tokenizers JSON file or a from_pretrained folder or hub "
                                                 "id holding one (null: byte)")] = "byte",
+        tokenizer_revision: Annotated[Optional[str], Arg(REVISION)] = None,
         packing: Annotated[bool, Arg("concatenate documents and cut them into blocks of block_size (no "
                                      "padding)")] = False,
         mask_boundaries: Annotated[bool, Arg("with packing: never predict a document's first token from the "
@@ -87,7 +88,7 @@ class HFDataset(DataModule):
         if mask_boundaries and not packing:
             raise UsageError("data.mask_boundaries=true needs data.packing=true (documents share a block only "
                              "when packed)")
-        self.codec = codec_for(tokenizer)
+        self.codec = codec_for(tokenizer, revision=tokenizer_revision)
         # One process per machine loads (datasets converts files to Arrow) and maps, writing the caches; the
         # others wait, then read them.
         with PartialState().local_main_process_first():

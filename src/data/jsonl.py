@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
-from src.data.tokenizer import codec_for
+from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
 from src.schema.signature import Arg
 
@@ -122,6 +122,7 @@ class JsonlData(DataModule):
         tokenizer: Annotated[Optional[str], Arg("byte, char (vocabulary from the file), a tokenizers JSON file, "
                                                 "or a from_pretrained folder or hub id holding one (null: byte)")
                                             ] = "byte",
+        tokenizer_revision: Annotated[Optional[str], Arg(REVISION)] = None,
         val_fraction: Annotated[float, Arg("the last documents, as a fraction, validate", gt=0, lt=1)] = 0.1,
         **loader,
     ):
@@ -142,7 +143,8 @@ class JsonlData(DataModule):
                 texts.append(record[text_key])
                 prompts.append(record[prompt_key] if prompt_key else None)
         # Padding is id 0 (pad_right); a character vocabulary is that of the strings (messages need a tokenizer).
-        self.codec = codec_for(tokenizer, [t for t in texts + prompts if isinstance(t, str)])
+        self.codec = codec_for(tokenizer, [t for t in texts + prompts if isinstance(t, str)],
+                               revision=tokenizer_revision)
         if prompt_key:  # the completion must not be empty; the prompt may be
             samples = [prompted(self.codec, prompt or "", text) for prompt, text in zip(prompts, texts) if text]
             documents, labels = [ids for ids, _ in samples], [labels for _, labels in samples]

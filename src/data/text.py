@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
-from src.data.tokenizer import BUILT_IN_TOKENIZERS, Codec, load_tokenizer
+from src.data.tokenizer import BUILT_IN_TOKENIZERS, REVISION, Codec, load_tokenizer
 from src.errors import UsageError
 from src.schema.signature import Arg
 
@@ -115,6 +115,7 @@ class TextData(TokenStream):
                                                       "unused with a tokenizer")] = "char",
         tokenizer: Annotated[Optional[str], Arg("a tokenizers JSON file, or a from_pretrained folder or hub id "
                                                 "holding one (null: data.level)")] = None,
+        tokenizer_revision: Annotated[Optional[str], Arg(REVISION)] = None,
         **stream,
     ):
         super().__init__(**stream)
@@ -125,7 +126,7 @@ class TextData(TokenStream):
             raise UsageError(f"data.tokenizer={tokenizer}: data=text reads characters or bytes as data.level says: "
                              f"give data.tokenizer=null data.level={tokenizer}")
         instead = "data.tokenizer=null (characters or bytes, as data.level says)"
-        self.tokenizer = load_tokenizer(tokenizer, instead=instead) if tokenizer else None
+        self.tokenizer = load_tokenizer(tokenizer, instead=instead, revision=tokenizer_revision) if tokenizer else None
         if self.tokenizer is not None:
             ids = self.tokenizer.encode(_utf8(raw, path)).ids
             self.vocab = None

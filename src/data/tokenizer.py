@@ -18,12 +18,15 @@ from src.models.hub import TOKENIZER_FILES, local_path
 
 FILE = "tokenizer.json"  # the name save_pretrained gives a fast tokenizer's file
 BUILT_IN_TOKENIZERS = ("byte", "char")  # data.tokenizer values that name no file
+REVISION = ("with a hub id as data.tokenizer: its branch, tag or commit (null: the newest, whose commit the run's "
+            "config then records, so that a resume or an evaluation reads the same files)")
 
 
-def tokenizer_file(path: str, key: str = "data.tokenizer", instead: str = "") -> Path:
+def tokenizer_file(path: str, key: str = "data.tokenizer", instead: str = "", revision: Optional[str] = None) -> Path:
     """The tokenizers JSON file `path` names (itself, or FILE inside a folder), or an error naming `key`;
-    `instead`: what else the key takes, as the overrides to type (`data.tokenizer=byte`)."""
-    file = local_path(path, key, TOKENIZER_FILES)  # a hub id: its snapshot in the Hugging Face cache
+    `instead`: what else the key takes, as the overrides to type (`data.tokenizer=byte`); `revision`: a hub id's
+    commit (or branch, tag) to read."""
+    file = local_path(path, key, TOKENIZER_FILES, revision=revision)  # a hub id: its snapshot in the HF cache
     if file.is_dir():
         if not (file / FILE).is_file():
             raise UsageError(f"{key}={path}: the folder has no {FILE} (a fast tokenizer saved by save_pretrained); "
@@ -36,12 +39,12 @@ def tokenizer_file(path: str, key: str = "data.tokenizer", instead: str = "") ->
     return file
 
 
-def load_tokenizer(path: str, key: str = "data.tokenizer", instead: str = "") -> Any:
+def load_tokenizer(path: str, key: str = "data.tokenizer", instead: str = "", revision: Optional[str] = None) -> Any:
     try:
         from tokenizers import Tokenizer
     except ImportError as error:
         raise UsageError(f"{key}={path} needs tokenizers: pip install -r requirements-extras.txt") from error
-    file = tokenizer_file(path, key, instead)
+    file = tokenizer_file(path, key, instead, revision)
     try:
         return Tokenizer.from_file(str(file))
     except Exception as error:  # tokenizers raises a bare Exception on a malformed file
@@ -109,7 +112,8 @@ class Codec:
                                 "an export of a run on text data has one")
 
 
-def codec_for(name: Optional[str], texts: Optional[list[str]] = None, key: str = "data.tokenizer") -> Codec:
+def codec_for(name: Optional[str], texts: Optional[list[str]] = None, key: str = "data.tokenizer",
+              revision: Optional[str] = None) -> Codec:
     """data.tokenizer as a Codec: byte (also null), char (the characters of `texts`, where the option has them
     all up front), or a tokenizers file / from_pretrained folder. Padding is id 0 in every vocabulary."""
     if name is None or name == "byte":
@@ -119,7 +123,7 @@ def codec_for(name: Optional[str], texts: Optional[list[str]] = None, key: str =
             raise UsageError(f"{key}=char: this data option reads its documents lazily; give {key}=byte or a "
                              "tokenizer")
         return Codec("char", "".join(sorted(set("".join(texts)))))
-    file = tokenizer_file(name, key, f"{key}=byte or {key}=char" if texts is not None else f"{key}=byte")
+    file = tokenizer_file(name, key, f"{key}=byte or {key}=char" if texts is not None else f"{key}=byte", revision)
     tokenizer = load_tokenizer(str(file), key)
     return Codec("tokenizer", tokenizer=tokenizer, end_of_text=end_of_text_id(file, tokenizer),
                  chat=ChatTemplate.of(file.parent))

@@ -1,9 +1,6 @@
-"""Ending a run's processes cleanly: no orphaned workers, no exit-time deadlocks.
+"""Ending a run's processes cleanly: no orphaned workers, no exit-time deadlocks."""
 
-Module state: `_UNTIL_EXIT`, the multi-process run's models, which must outlive train()'s frame until the
-process ends with os._exit (see outlive_main: their destructors can deadlock on the gloo group).
-"""
-
+import atexit
 import gc
 import logging
 import os
@@ -18,6 +15,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 from src.faults.preemption import PreemptionWatch, requeue_slurm_job
 from src.faults.run_dir_lock import release_run_dirs
+from src.launcher import launched_world_size
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +59,6 @@ def shut_down(accelerator: Accelerator) -> None:
         GradientState._reset_state()
 
 
-# Objects whose destruction is left to the process's exit (see outlive_main).
-_UNTIL_EXIT: list = []
-
-
 def outlive_main(accelerator: Accelerator, model: torch.nn.Module) -> None:
     """Keep a multi-process run's DDP model alive until the process exits, and let run_then_release end it
     with os._exit, so that its process group is never destroyed by a destructor.
@@ -76,8 +70,12 @@ def outlive_main(accelerator: Accelerator, model: torch.nn.Module) -> None:
     as a rank hanging after "exported the final model", in several CI runs. At interpreter shutdown the same
     teardown could abort the process instead ("terminate called without an active exception").
     """
-    if accelerator.num_processes > 1:
-        _UNTIL_EXIT.append(model)
+    if accelerator.num_processes > 1:  # atexit holds what it is given until the process ends; os._exit runs
+        atexit.register(_kept_until_exit, model)  # none of its callbacks, so the model is never freed
+
+
+def _kept_until_exit(*_) -> None:
+    pass
 
 
 def run_then_release(main: Callable[[], None]) -> None:
@@ -96,7 +94,7 @@ def run_then_release(main: Callable[[], None]) -> None:
     elif not isinstance(status, int):  # sys.exit("message") prints the message and exits 1
         print(status, file=sys.stderr)
         status = 1
-    if _UNTIL_EXIT:
+    if launched_world_size() > 1:
         sys.stdout.flush()
         sys.stderr.flush()
         logging.shutdown()

@@ -10,12 +10,9 @@ the hub cannot be reached (HF_HUB_OFFLINE=1, compute nodes without a network) th
 so `hf download NAME` on a login node fills the cache for the jobs. Private and gated repositories need `hf auth
 login` first.
 
-A model's revision is pinned: a run records the commit it fetched (model.revision), and every later read of that
-id in the process (the data's tokenizer, which names the same id) takes the same commit, so a resume or an
-evaluation reads the files the run started from even after the hub or the cache has moved on.
-
-Module state: `PINNED`, hub id -> the commit this process reads it at, decided once by fetch_from_hub before the
-data is built and read by every later local_path of that id (the data's tokenizer names it without a revision).
+Revisions are pinned: a run records the commit it fetched of each id (model.revision, data.tokenizer_revision)
+in its config, and reads the id at that commit, so a resume or an evaluation reads the files the run started from
+even after the hub or the cache has moved on.
 """
 
 import logging
@@ -38,7 +35,6 @@ TOKENIZER_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken"]
 # files are the subset's (a repository can hold many large subsets: its card's `configs` name their files).
 DATASET_FILES = ["*.parquet", "*.arrow", "*.json", "*.jsonl", "*.csv"]
 CARD = "README.md"
-PINNED: dict[str, str] = {}  # hub id -> the revision this process reads it at (fetch_from_hub, model.revision)
 
 
 def is_hub_id(name: str) -> bool:
@@ -64,7 +60,6 @@ def local_path(name: str, key: str, files: list[str] = MODEL_FILES, refresh: boo
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-    revision = revision or PINNED.get(name)
 
     def snapshot(patterns: list[str], **options) -> Path:
         return Path(snapshot_download(name, repo_type=repo_type, revision=revision, allow_patterns=patterns,
@@ -131,31 +126,33 @@ def _as_list(value) -> list:
     return [] if value is None else value if isinstance(value, list) else [value]
 
 
-def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_tokenizers: tuple) -> Optional[str]:
+def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_tokenizers: tuple) -> dict[str, str]:
     """Fetch the hub ids that model.pretrained and data.tokenizer name, once per machine, before any process
-    reads them: the first process of each machine asks the hub for model.revision (or the newest), the others
-    then find it in the cache. Returns the commit of model.pretrained's snapshot, pinned for the rest of the
-    process (None where it is no hub id)."""
-    wanted: dict[str, tuple[list[str], list[str]]] = {}  # hub id -> (the keys naming it, the files they need)
-    for key, name, files in (("model.pretrained", model_cfg.get("pretrained"), MODEL_FILES),
-                             ("data.tokenizer", data_cfg.get("tokenizer"), TOKENIZER_FILES)):
+    reads them: the first process of each machine asks the hub for model.revision / data.tokenizer_revision (or
+    the newest), the others then find it in the cache. Returns key -> the commit fetched (the same on every
+    rank), for the keys that name a hub id: "model.pretrained", "data.tokenizer"."""
+    wanted: dict[str, tuple[list[str], list[str], Optional[str]]] = {}  # hub id -> (keys, files, revision)
+    for key, name, files, revision in (
+            ("model.pretrained", model_cfg.get("pretrained"), MODEL_FILES, model_cfg.get("revision")),
+            ("data.tokenizer", data_cfg.get("tokenizer"), TOKENIZER_FILES, data_cfg.get("tokenizer_revision"))):
         if isinstance(name, str) and name not in built_in_tokenizers and is_hub_id(name):
-            keys, _ = wanted.setdefault(name, ([], files))
+            keys, _, asked = wanted.setdefault(name, ([], files, revision))
             keys.append(key)  # a model's id serves its tokenizer too (the data's default): one fetch
-    if not wanted:
-        return None
-    pretrained, revision = model_cfg.get("pretrained"), model_cfg.get("revision")
+            if revision and asked and revision != asked:
+                raise UsageError(f"{' and '.join(keys)} name {name} at two revisions: {asked} and {revision}")
+            wanted[name] = (keys, files, asked or revision)
+    commits: dict[str, str] = {}  # hub id -> commit
     with accelerator.local_main_process_first():
-        for name, (keys, files) in wanted.items():
+        for name, (keys, files, revision) in wanted.items():
             folder = local_path(name, " and ".join(keys), files, refresh=accelerator.is_local_main_process,
-                                revision=revision if name == pretrained else None)
-            PINNED[name] = folder.name  # a snapshot's folder is named by its commit
+                                revision=revision)
+            commits[name] = folder.name  # a snapshot's folder is named by its commit
     if accelerator.num_processes > 1:  # machines fetch at their own moment: all read the commit rank 0 got
-        agreed = broadcast_object_list([dict(PINNED)])[0]
-        for name, (keys, files) in wanted.items():
-            if agreed[name] != PINNED[name]:
-                PINNED[name] = local_path(name, " and ".join(keys), files, revision=agreed[name]).name
-    return PINNED.get(pretrained)
+        agreed = broadcast_object_list([commits])[0]
+        for name, (keys, files, _) in wanted.items():
+            if agreed[name] != commits[name]:
+                commits[name] = local_path(name, " and ".join(keys), files, revision=agreed[name]).name
+    return {key: commits[name] for name, (keys, _, _) in wanted.items() for key in keys}
 
 
 def _first_line(error: BaseException) -> str:

@@ -1,15 +1,12 @@
 """Sizes only the data knows (`vocab_size`, `num_classes`, ...) enter a config as `${dataset:NAME}`.
 
-They stay unresolved while the config is completed and checked, and are resolved once the data is built
-(`resolve_data_sizes`), so config.yaml and checkpoints hold the numbers.
-
-Module state: `_data_sizes`, what OmegaConf's resolver callback answers, set only inside resolve_data_sizes and
-data_sizes_unresolved (a resolver is registered once per process and takes no arguments but the name).
+They stay unresolved while the config is completed and checked, and are written in once the data is built
+(`resolve_data_sizes`), so config.yaml and checkpoints hold the numbers. The `dataset` resolver itself only ever
+refuses: the sizes are substituted into the config's text, not looked up by OmegaConf, so nothing here keeps state.
 """
 
-import contextlib
 import re
-from typing import Any, Optional
+from typing import Any, Callable
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,32 +19,11 @@ class DataSizeUnknown(Exception):
     pass
 
 
-_data_sizes: Optional[dict[str, int]] = None
-
-
 def _dataset_resolver(name: str) -> int:
-    if _data_sizes is None:
-        raise DataSizeUnknown(f"${{dataset:{name}}} is known once the data is built")
-    return _data_sizes[name]
+    raise DataSizeUnknown(f"${{dataset:{name}}} is known once the data is built")
 
 
 OmegaConf.register_new_resolver("dataset", _dataset_resolver, replace=True)
-
-
-class _Placeholders(dict):
-    def __missing__(self, name: str) -> str:
-        return f"${{dataset:{name}}}"
-
-
-@contextlib.contextmanager
-def data_sizes_unresolved():
-    """Within it, `${dataset:NAME}` resolves to its own text: for comparing configs before the data is built."""
-    global _data_sizes
-    _data_sizes = _Placeholders()
-    try:
-        yield
-    finally:
-        _data_sizes = None
 
 
 def data_size_references(node: Any, path: str) -> list[tuple[str, str]]:
@@ -65,15 +41,31 @@ def data_size_references(node: Any, path: str) -> list[tuple[str, str]]:
     return found
 
 
+def _substituted(node: Any, value_of: Callable[[str], Any]) -> Any:
+    """A plain container with every `${dataset:NAME}` replaced by value_of(NAME): a value where it is the whole
+    string, its text where it is part of one."""
+    if isinstance(node, dict):
+        return {key: _substituted(value, value_of) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_substituted(value, value_of) for value in node]
+    if isinstance(node, str):
+        whole = DATA_SIZE.fullmatch(node)
+        return value_of(whole.group(1)) if whole else DATA_SIZE.sub(lambda m: str(value_of(m.group(1))), node)
+    return node
+
+
 def resolve_data_sizes(cfg: DictConfig, sizes: dict[str, int]) -> DictConfig:
     """The config with every `${dataset:NAME}` replaced by the built data's value (and everything else resolved)."""
-    global _data_sizes
     missing = [(key, name) for key, name in data_size_references(cfg, "") if name not in sizes]
     if missing:
         raise ConfigError([f"{key[1:]}=${{dataset:{name}}}, but the data provides only: "
                            f"{', '.join(sorted(sizes)) or 'no sizes'}" for key, name in missing])
-    _data_sizes = dict(sizes)
-    try:
-        return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    finally:
-        _data_sizes = None
+    with_sizes = OmegaConf.create(_substituted(OmegaConf.to_container(cfg, resolve=False), sizes.__getitem__))
+    return OmegaConf.create(OmegaConf.to_container(with_sizes, resolve=True))
+
+
+def resolved_but_data_sizes(cfg: DictConfig, **options) -> Any:
+    """The config as a plain container, resolved except that each `${dataset:NAME}` stays its own text: for
+    comparing configs before the data is built."""
+    as_text = _substituted(OmegaConf.to_container(cfg, resolve=False), lambda name: f"\\${{dataset:{name}}}")
+    return OmegaConf.to_container(OmegaConf.create(as_text), resolve=True, **options)
