@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import torch
 
@@ -123,3 +124,15 @@ class SaysHowItWasBuilt(GPT):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         print(f"rank {os.environ.get('RANK', '0')} built with values: {not self.lm_head.weight.is_meta}", flush=True)
+
+
+class SlowToSample(GPT):
+    """The GPT, taking `sample_seconds` longer for each text it samples (rank 0 alone samples)."""
+
+    def __init__(self, sample_seconds: float = 0.0, **gpt):
+        super().__init__(**gpt)
+        self.sample_seconds = sample_seconds
+
+    def generate(self, *args, **kwargs):
+        time.sleep(self.sample_seconds)
+        return super().generate(*args, **kwargs)

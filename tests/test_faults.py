@@ -149,7 +149,8 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
 def test_a_long_evaluation_is_no_hang_but_a_rank_stopped_inside_one_is_reported(tmp_path):
     """Evaluations longer than trainer.hang_report_s report their progress batch by batch: the one at step 2
     passes without a report (a 206M-parameter model's final evaluation ran past 300 s and every rank was
-    reported). Rank 1 stopped inside the one at step 4: rank 0, waiting in its collective, reports where."""
+    reported), and so does rank 1 waiting while rank 0 alone samples texts for longer than that. Rank 1 stopped
+    inside the evaluation at step 4: rank 0, waiting in its collective, reports where."""
     import os
     import signal
     import time
@@ -159,7 +160,9 @@ def test_a_long_evaluation_is_no_hang_but_a_rank_stopped_inside_one_is_reported(
     run_dir = tmp_path / "run"
     args = [*TINY_GPT, "trainer.log_every=1", "trainer.eval_every=2", "trainer.eval_batches=null", "data.batch_size=4",
             "data.eval_batch_size=1", "trainer.max_steps=100000", "trainer.checkpoint_every=0", "trainer.monitor=null",
-            "trainer.hang_report_s=2", "trainer.dist_timeout_s=10", f"hydra.run.dir={run_dir}"]
+            "trainer.hang_report_s=2", "trainer.dist_timeout_s=10", f"hydra.run.dir={run_dir}",
+            "model._target_=tests.components.SlowToSample", "+model.sample_seconds=1.2", "trainer.sample_every=2",
+            "trainer.sample_tokens=4", "trainer.sample_prompts=[A,B,C]"]  # 3.6 s of sampling after step 2's eval
     proc = start(args, nproc=2, launcher="torchrun")
     stopped = None
     try:
@@ -177,6 +180,7 @@ def test_a_long_evaluation_is_no_hang_but_a_rank_stopped_inside_one_is_reported(
         assert reports and all(r.startswith("HANG? rank 0") and "after step 4" in r for r in reports), reports
         assert "the last progress: evaluation batch" in reports[0], reports[0]
         assert "step 2: eval/loss=" in output, output[-3000:]  # the first evaluation ran to its end, unreported
+        assert "sample 2 at step 2" in output, output[-3000:]  # and the sampling after it
     finally:
         end_launch(proc, stopped)
 

@@ -11,8 +11,18 @@ import pytest
 import torch
 
 from src.errors import UsageError
-from tests.conftest import (HF_HOME, PRETRAINED_VOCAB, QUIET, exported_weights, kill_when, max_abs_diff, named,
-                            put_in_hub_cache, run, scalars)
+from tests.conftest import (
+    HF_HOME,
+    PRETRAINED_VOCAB,
+    QUIET,
+    exported_weights,
+    kill_when,
+    max_abs_diff,
+    named,
+    put_in_hub_cache,
+    run,
+    scalars,
+)
 
 transformers = pytest.importorskip("transformers")
 VOCAB = PRETRAINED_VOCAB

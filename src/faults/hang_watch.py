@@ -10,8 +10,10 @@ A daemon thread does the watching: collectives release the GIL while they wait, 
 thread is blocked. Cost when nothing hangs: one timestamp per step, and on several processes one small write
 to the launch's key-value store per second from that thread.
 
-Through that store each rank's watcher tells the others its last finished step and that it is still alive, so
-a report also names the ranks that stopped answering and the step each last finished.
+Through that store each rank's watcher tells the others its last finished step, its last progress and that it
+is still alive, so a report also names the ranks that stopped answering and the step each last finished, and a
+rank that waits for a peer still progressing (the others while rank 0 alone samples text) is not reported: that
+peer reports itself if it stops.
 """
 
 import json
@@ -31,6 +33,7 @@ class HangWatch:
         self.rank, self.report_after_s, self.world_size = rank, report_after_s, world_size
         self.store = _launch_store() if world_size > 1 else None
         self.last_beat: float | None = None  # armed by the first beat
+        self.progressed = 0.0  # wall-clock time of the last beat or progress, as the other ranks compare it
         self.step, self.doing = 0, None
         self.reported = False
         self.stopped = threading.Event()
@@ -43,12 +46,14 @@ class HangWatch:
     def beat(self, step: int) -> None:
         """The loop made progress (a step finished, or its evaluation and checkpoint)."""
         self.last_beat, self.step, self.doing, self.reported = time.monotonic(), step, None, False
+        self.progressed = time.time()
 
     def alive(self, doing: str) -> None:
         """Long work between optimizer steps progressed (an evaluation batch, a sample, a part of a save): this
         rank is busy, not stuck. Before the first step, nothing is watched yet."""
         if self.last_beat is not None:
             self.last_beat, self.doing, self.reported = time.monotonic(), doing, False
+            self.progressed = time.time()
 
     def _watch(self) -> None:
         self._tell_the_others()
@@ -57,7 +62,7 @@ class HangWatch:
             if self.last_beat is None or self.reported:
                 continue
             stalled = time.monotonic() - self.last_beat
-            if stalled >= self.report_after_s:
+            if stalled >= self.report_after_s and not self._a_peer_progresses():
                 self.reported = True  # once per stall: the next beat re-arms it
                 log.error("%s", self.report(stalled))
 
@@ -78,11 +83,26 @@ class HangWatch:
     def _tell_the_others(self) -> None:
         if self.store is None:
             return
-        news = {"step": self.step, "pid": os.getpid(), "host": socket.gethostname(), "heard": time.time()}
+        news = {"step": self.step, "pid": os.getpid(), "host": socket.gethostname(), "heard": time.time(),
+                "progressed": self.progressed}
         try:
             self.store.set(f"hang_watch/{self.rank}", json.dumps(news))
         except Exception:  # noqa: BLE001 (the store's host may be gone: the report then says less)
             self.store = None
+
+    def _a_peer_progresses(self) -> bool:
+        """Whether another rank made progress within trainer.hang_report_s (this rank then waits for it)."""
+        for rank in range(self.world_size):
+            if rank == self.rank or self.store is None:
+                continue
+            try:
+                news = json.loads(self.store.get(f"hang_watch/{rank}")) if self.store.check([f"hang_watch/{rank}"]) \
+                    else None
+            except Exception:  # noqa: BLE001 (the store's host may be gone: report, as without the store)
+                return False
+            if news and time.time() - news.get("progressed", 0.0) < self.report_after_s:
+                return True
+        return False
 
     def _others(self) -> str:
         silent = self.silent()
