@@ -1,8 +1,11 @@
-"""Cut tiny Shakespeare into one JSON Lines document per speech (speeches are separated by blank lines).
+"""Cut tiny Shakespeare into one JSON Lines document per speech (speeches are separated by blank lines), or into
+short conversations of four speeches whose turns alternate between a user and an assistant.
 
     python scripts/make_speeches_jsonl.py data/tinyshakespeare.txt data/shakespeare_speeches.jsonl --max 3000
+    python scripts/make_speeches_jsonl.py data/tinyshakespeare.txt data/shakespeare_dialogues.jsonl --dialogues 300
 
-This is how data/shakespeare_speeches.jsonl, the offline sample of data=jsonl, was made.
+This is how data/shakespeare_speeches.jsonl, the offline sample of data=jsonl, and
+data/shakespeare_dialogues.jsonl, its multi-turn chats (`data.text_key=messages`), were made.
 """
 
 import argparse
@@ -12,10 +15,23 @@ parser = argparse.ArgumentParser()
 parser.add_argument("text")
 parser.add_argument("output")
 parser.add_argument("--max", type=int, default=None, help="keep the first N speeches")
+parser.add_argument("--dialogues", type=int, default=None,
+                    help="write N conversations of 4 consecutive speeches of under 100 characters each instead")
 args = parser.parse_args()
 
 with open(args.text, encoding="utf-8") as f:
     speeches = [s.strip() for s in f.read().split("\n\n") if s.strip()][: args.max]
+documents, i = [], 0
+if args.dialogues is None:
+    documents = [{"text": s} for s in speeches]
+while args.dialogues is not None and len(documents) < args.dialogues and i + 4 <= len(speeches):
+    turns = speeches[i : i + 4]
+    if all(len(s) < 100 for s in turns):
+        documents.append({"messages": [{"role": role, "content": s}
+                                       for role, s in zip(["user", "assistant"] * 2, turns)]})
+        i += 4
+    else:
+        i += 1
 with open(args.output, "w", encoding="utf-8") as f:
-    f.writelines(json.dumps({"text": s}) + "\n" for s in speeches)
-print(f"{len(speeches)} documents -> {args.output}")
+    f.writelines(json.dumps(d) + "\n" for d in documents)
+print(f"{len(documents)} documents -> {args.output}")

@@ -4,7 +4,9 @@
 
 It trains a byte-level BPE tokenizer on a text file (tiny Shakespeare by default), builds a small GPT-2, trains it
 briefly on that text (--steps) and saves both with save_pretrained: config.json, model.safetensors and
-tokenizer.json, as a folder downloaded from the hub would hold them (`hf download gpt2 --local-dir PATH`).
+tokenizer.json, as a folder downloaded from the hub would hold them (`hf download gpt2 --local-dir PATH`). Its
+tokenizer has a chat template, as an instruct model's has, whose assistant turns are marked (`{% generation %}`),
+so that it can also be tuned on conversations.
 Needs `pip install -r requirements-extras.txt` (transformers, tokenizers).
 """
 
@@ -13,8 +15,13 @@ from pathlib import Path
 
 import torch
 
+# Each turn as "<|role|>content", an assistant's ended by the end-of-text token so that the model learns to stop.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['role'] == 'assistant' %}{% generation %}"
+                 "{{ m['content'] + eos_token }}\n{% endgeneration %}{% else %}{{ m['content'] }}\n{% endif %}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
-def make_tokenizer(text_file: Path, vocab_size: int):
+
+def make_tokenizer(text_file: Path, vocab_size: int, chat_template: bool = True):
     """A byte-level BPE (GPT-2's kind) learnt from `text_file`, as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -24,7 +31,8 @@ def make_tokenizer(text_file: Path, vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.train([str(text_file)], trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE if chat_template else None)
 
 
 def make_model(vocab_size: int, positions: int, n_layer: int, n_embd: int, n_head: int):
@@ -49,11 +57,12 @@ def pretrain(model, ids: torch.Tensor, steps: int, block: int, batch: int = 16, 
     return loss.item()
 
 
-def make_tiny_pretrained(folder: Path, text_file: Path, steps: int = 200, vocab_size: int = 512, positions: int = 128,
-                         n_layer: int = 2, n_embd: int = 64, n_head: int = 2, seed: int = 0) -> float:
+def make_tiny_pretrained(folder: Path, text_file: Path, steps: int = 200, vocab_size: int = 512, positions: int = 256,
+                         n_layer: int = 2, n_embd: int = 64, n_head: int = 2, seed: int = 0,
+                         chat_template: bool = True) -> float:
     """Write the folder; returns the last pretraining loss."""
     torch.manual_seed(seed)
-    tokenizer = make_tokenizer(text_file, vocab_size)
+    tokenizer = make_tokenizer(text_file, vocab_size, chat_template)
     model = make_model(len(tokenizer), positions, n_layer, n_embd, n_head)
     ids = torch.tensor(tokenizer(text_file.read_text(encoding="utf-8"))["input_ids"])
     loss = pretrain(model, ids, steps, block=min(64, positions)) if steps else float("nan")

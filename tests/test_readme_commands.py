@@ -106,6 +106,10 @@ NOT_RUN = {
         "the fine-tuning walkthrough: tests/test_readme_example.py follows it verbatim",
     'python sample.py outputs/lora/model --prompt "ROMEO:" --tokens 50':
         "the fine-tuning walkthrough: tests/test_readme_example.py follows it verbatim",
+    "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/tiny_gpt2 model.block_size=256 "
+    "data=jsonl data.path=data/shakespeare_dialogues.jsonl data.text_key=messages objective=causal_lm "
+    "trainer.max_steps=50 scheduler.warmup_steps=10 hydra.run.dir=outputs/chat":
+        "the fine-tuning walkthrough: tests/test_readme_example.py follows it verbatim",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=/models/gpt2 'model.peft={peft_type: LORA, r: 8, "
     "lora_alpha: 16, target_modules: [c_attn]}'": "needs a downloaded model; tests/test_finetune.py trains LoRA on a "
                                                   "small pretrained folder",

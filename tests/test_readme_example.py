@@ -2,6 +2,7 @@
 loss" (new files only; trains on 1 and 2 processes, exports, reloads) and fine-tuning with LoRA (a tiny
 pretrained folder, an adapter trained on local documents, samples from the export)."""
 
+import json
 import math
 import random
 import re
@@ -78,3 +79,23 @@ def test_readme_fine_tuning_walkthrough_trains_a_lora_adapter_on_a_pretrained_fo
     assert re.search(r"parameters\s+: [\d,]+ \([\d,]+ trainable, [0-4]\.\d\d%\)", log)  # the adapter only
     assert (run_dir / "model" / "adapter" / "adapter_config.json").is_file()
     assert outputs[-1].startswith("ROMEO:") and len(outputs[-1]) > len("ROMEO:") + 20
+
+    # Then the same folder on multi-turn chats: it trains, on exactly the tokens transformers marks as the assistant's.
+    import transformers
+
+    from src.data.jsonl import IGNORE_INDEX, JsonlData
+
+    (_, chat_command), = blocks("chat-run")
+    proc = shell(chat_command.strip(), repo)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    losses = scalars(repo / "outputs" / "chat", "train/loss")
+    first, last = min(losses), max(losses)  # logged every trainer.log_every steps
+    assert last == 50 and losses[last] < losses[first], losses
+    folder, dialogues = repo / "outputs" / "tiny_gpt2", repo / "data" / "shakespeare_dialogues.jsonl"
+    data = JsonlData(path=str(dialogues), text_key="messages", tokenizer=str(folder), block_size=256, batch_size=4)
+    first = json.loads(dialogues.read_text().splitlines()[0])["messages"]
+    expected = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        first, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert data.train[0]["input_ids"].tolist() == expected["input_ids"]
+    assert [label != IGNORE_INDEX for label in data.train[0]["labels"].tolist()] == \
+        [bool(m) for m in expected["assistant_masks"]]
