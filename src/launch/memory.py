@@ -4,12 +4,14 @@ of an out-of-memory error minutes later.
 
 Activations are not counted (they depend on the batch, the sequence and activation checkpointing), so the
 estimate is a floor: a run whose model state alone does not fit cannot train, one whose state fits may still
-run out of memory in its activations.
+run out of memory in its activations. On CPU a rank's memory is the host's available memory, or what the job's
+memory limit (its cgroup's: SLURM's --mem, a container's) leaves where that is less, shared by the machine's ranks.
 """
 
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -76,7 +78,44 @@ def memory_per_rank(device: torch.device) -> tuple[Optional[int], str]:
         return None, "unknown (no /proc/meminfo)"
     available = int(fields["MemAvailable"].split()[0]) * 1024
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    room = cgroup_memory_room()
+    if room is not None and room < available:
+        return room // ranks, f"what this job's memory limit (cgroup) leaves / {ranks} rank(s) on it"
     return available // ranks, f"the host's available memory / {ranks} rank(s) on it"
+
+
+def cgroup_memory_room(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+                       ) -> Optional[int]:
+    """The bytes this process's memory cgroup and its ancestors (a SLURM job's limit sits above its steps') may
+    still use, the tightest of them: cgroup v2's memory.max - memory.current, or v1's memory.limit_in_bytes -
+    memory.usage_in_bytes. None where none is limited or there is no cgroup file system."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy, its files named memory.max and memory.current
+            mount, limit_file, usage_file = root, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own hierarchy
+            mount, limit_file, usage_file = root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        group = mount / path.lstrip("/")
+        if not group.is_dir():  # a container sees its own cgroup as the mount's root
+            group = mount
+        while True:
+            try:
+                limit = (group / limit_file).read_text().strip()
+                if limit != "max" and int(limit) < 1 << 60:  # v1 writes "no limit" as a huge number
+                    rooms.append(int(limit) - int((group / usage_file).read_text()))
+            except (OSError, ValueError):
+                pass
+            if group == mount:
+                break
+            group = group.parent
+    return max(0, min(rooms)) if rooms else None
 
 
 def what_would_fit(state: ModelState, available: int, world_size: int, precision: str) -> str:
