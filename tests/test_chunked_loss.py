@@ -107,3 +107,27 @@ def test_training_with_chunked_loss_under_ddp_and_fsdp2_matches_the_plain_loss(t
         got = scalars(run_dir, "train/loss")
         assert sorted(got) == [1, 2, 3, 4]
         assert max(abs(got[s] - expected[s]) for s in got) <= 1e-5
+
+
+LLAMA = ["model=hf_causal_lm", "data=jsonl", "objective=causal_lm", "model.block_size=48", "~model.config",
+         "+model.config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+         "num_attention_heads: 2, num_key_value_heads: 1, vocab_size: ${dataset:vocab_size}, "
+         "max_position_embeddings: 48}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter", [[], ["+model.peft={peft_type: LORA, r: 4, target_modules: [q_proj, v_proj]}"]],
+                         ids=["llama", "llama_lora"])
+def test_a_transformers_model_under_fsdp2_trains_the_plain_losses_with_chunked_loss(tmp_path, adapter):
+    """The output layer FSDP2 shards (its weight gathered for the chunks), untied, with and without a LoRA adapter."""
+    pytest.importorskip("transformers")
+    if adapter:
+        pytest.importorskip("peft")
+    args = [*LLAMA, *adapter, *QUIET, "data.batch_size=4", "trainer.max_steps=3", "trainer.checkpoint_every=0",
+            "trainer.monitor=null"]
+    plain, chunked = tmp_path / "plain", tmp_path / "chunked"
+    for run_dir, extra in ((plain, []), (chunked, ["objective.chunk_tokens=24"])):
+        run([*args, *extra, f"hydra.run.dir={run_dir}"], nproc=2, script="tests/fsdp_on_cpu.py", launcher="fsdp")
+    expected, got = scalars(plain, "train/loss"), scalars(chunked, "train/loss")
+    assert sorted(got) == [1, 2, 3]
+    assert max(abs(got[s] - expected[s]) for s in got) <= 1e-5
