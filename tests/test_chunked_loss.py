@@ -75,6 +75,41 @@ def test_the_chunked_loss_compiles_to_the_same_loss_and_gradients():
     assert_same_training(model, CrossEntropy(), CrossEntropy(chunk_tokens=8), x, y, compile=True)
 
 
+def assert_same_metrics(model, plain, chunked, inputs, targets, compile=False):
+    model.eval()
+    with torch.no_grad():
+        expected = Forward(plain, compile=False).metrics(model, inputs, targets)
+        forward = Forward(chunked, compile=compile)
+        for _ in range(2):  # compiled: a second batch reuses the graph with its own targets
+            got = forward.metrics(model, inputs, targets)
+    assert got.keys() == expected.keys() == {"loss", "accuracy"}
+    for name in got:
+        for value, reference in zip(got[name], expected[name]):  # (per-sample value, weight)
+            torch.testing.assert_close(value, reference, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_chunked_evaluation_gives_the_metrics_of_the_whole_logits_for_the_gpt(compile):
+    torch.manual_seed(0)
+    model = GPT(vocab_size=VOCAB, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    x, y = torch.randint(0, VOCAB, (3, 32)), torch.randint(0, VOCAB, (3, 32))
+    y[0, :5] = -100
+    assert_same_metrics(model, CrossEntropy(), CrossEntropy(chunk_tokens=7), x, y, compile)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_chunked_evaluation_gives_the_metrics_of_the_whole_logits_for_a_transformers_llama(lora):
+    torch.manual_seed(0)
+    model = tiny_llama()
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, VOCAB, (2, 24))
+    labels = ids.clone()
+    labels[1, 20:] = -100
+    assert_same_metrics(model, CausalLM(), CausalLM(chunk_tokens=10), {"input_ids": ids}, labels)
+
+
 def test_a_model_that_changes_its_logits_after_the_output_layer_is_refused_naming_the_key():
     """As Gemma's soft-capping or a logit scale would: the loss computed inside the output layer would be wrong."""
     model = tiny_llama()
@@ -102,11 +137,12 @@ def test_training_with_chunked_loss_under_ddp_and_fsdp2_matches_the_plain_loss(t
     run([*args, "objective.chunk_tokens=48", f"hydra.run.dir={ddp}"], nproc=2)
     run([*args, "objective.chunk_tokens=48", f"hydra.run.dir={fsdp}"], nproc=2, script="tests/fsdp_on_cpu.py",
         launcher="fsdp")
-    expected = scalars(plain, "train/loss")
+    expected, expected_eval = scalars(plain, "train/loss"), scalars(plain, "eval/loss")
     for run_dir in (ddp, fsdp):
         got = scalars(run_dir, "train/loss")
         assert sorted(got) == [1, 2, 3, 4]
         assert max(abs(got[s] - expected[s]) for s in got) <= 1e-5
+        assert abs(scalars(run_dir, "eval/loss")[4] - expected_eval[4]) <= 1e-5  # evaluated in chunks too
 
 
 LLAMA = ["model=hf_causal_lm", "data=jsonl", "objective=causal_lm", "model.block_size=48", "~model.config",

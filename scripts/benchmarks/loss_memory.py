@@ -1,11 +1,12 @@
-"""loss-memory: the peak memory of one training micro-step (forward, loss, backward) at a large vocabulary, with
-the loss computed at once against objective.chunk_tokens (src/objectives/chunked.py).
+"""loss-memory: the peak memory of one training micro-step (forward, loss, backward) and of one evaluation batch
+(loss and accuracy per sample, no gradient) at a large vocabulary, with the loss computed at once against
+objective.chunk_tokens (src/objectives/chunked.py).
 
 Both sides run the template's own Forward on the same GPT (tied output layer), batch and targets, each in a fresh
 process: one warm-up step (so the gradients exist), then the peak is reset and one more step measured. On CPU the
 peak is the process's resident memory (VmHWM, reset through /proc/self/clear_refs) over what it held before the
-step; on CUDA, torch.cuda.max_memory_allocated over the memory allocated before it. The loss of both is printed too:
-equal within float rounding.
+step; on CUDA, torch.cuda.max_memory_allocated over the memory allocated before it. The evaluation batch is measured
+the same way after the step. The loss of both is printed too: equal within float rounding.
 """
 
 import json
@@ -25,6 +26,7 @@ def loss_memory(args) -> dict:
         sides["chunk_tokens=" + (str(chunk) if chunk else "null")] = json.loads(done.stdout.splitlines()[-1])
     plain, chunked = sides.values()
     return {**sides, "peak_ratio_plain_over_chunked": round(plain["step_peak_gib"] / chunked["step_peak_gib"], 2),
+            "eval_peak_ratio_plain_over_chunked": round(plain["eval_peak_gib"] / chunked["eval_peak_gib"], 2),
             "loss_difference": abs(plain["loss"] - chunked["loss"])}
 
 
@@ -46,7 +48,15 @@ def _worker(args) -> None:
     reset_peak(device)
     loss = forward.loss_sum(model, x, y)
     loss.backward()
-    print(json.dumps({"step_peak_gib": round((peak(device) - before) / 2**30, 3), "loss": loss.item(),
+    step_peak = peak(device) - before
+    model.eval()
+    with torch.no_grad():
+        before = held(device)
+        reset_peak(device)
+        forward.metrics(model, x, y)
+        eval_peak = peak(device) - before
+    print(json.dumps({"step_peak_gib": round(step_peak / 2**30, 3), "eval_peak_gib": round(eval_peak / 2**30, 3),
+                      "loss": loss.item(),
                       "logits_fp32_gib": round(args.batch * args.tokens * args.vocab * 4 / 2**30, 3)}))
 
 

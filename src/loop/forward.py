@@ -54,13 +54,21 @@ class Forward:
         return output if self.chunked else self.objective.loss_sum(output, targets)  # chunked: already the loss
 
     def _metrics(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> dict:
-        return self.objective.metrics(call_model(model, inputs), targets)
+        output = call_model(model, inputs)
+        if self.chunked:  # per-token (loss, likeliest is the target) from the output layer, chunk by chunk
+            return self.objective.metrics_of_token_scores(output, targets)
+        return self.objective.metrics(output, targets)
 
     def metrics(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> dict:
         """The objective's per-sample metrics of one evaluation batch."""
-        if self._compiled_metrics is None:
-            return self._metrics(model, inputs, targets)
-        for tensor in (*(inputs.values() if isinstance(inputs, Mapping) else [inputs]), targets):
-            if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return self._compiled_metrics(model, inputs, targets)
+        if self._chunking_unchecked:  # an evaluation before the first step (trainer.eval_on_start)
+            check_the_model_keeps_its_logits(model, inputs, targets, self.objective)
+            self._chunking_unchecked = False
+        with output_layer_loss(model, self.objective, targets, per_token=True) if self.chunked \
+                else contextlib.nullcontext():
+            if self._compiled_metrics is None:
+                return self._metrics(model, inputs, targets)
+            for tensor in (*(inputs.values() if isinstance(inputs, Mapping) else [inputs]), targets):
+                if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            return self._compiled_metrics(model, inputs, targets)

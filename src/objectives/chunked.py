@@ -8,7 +8,9 @@ hooks on that layer run as always and its weight is gathered when FSDP shards it
 chunks, and each chunk's logits and cross-entropy run under activation checkpointing, which keeps only the
 chunk's hidden states and recomputes its logits in the backward pass. Peak memory: one chunk's logits and their
 gradient. Cost: the output layer's matrix product once more in the backward pass. The loss and the gradients are
-the plain computation's within float rounding (a sum in another order).
+the plain computation's within float rounding (a sum in another order). Evaluation goes through the output layer
+the same way: each token's loss and whether its likeliest token is the target, a chunk at a time, never the
+logits of a whole batch (its metrics those of the whole logits).
 
 It is what torchtune's chunked output and Liger's fused linear cross-entropy do, written with torch's own
 checkpointing so that it works on any device and under torch.compile, for any model whose output layer is a
@@ -44,15 +46,17 @@ def output_layer(model: torch.nn.Module) -> torch.nn.Linear:
 
 
 @contextlib.contextmanager
-def output_layer_loss(model: torch.nn.Module, objective, targets: torch.Tensor) -> Iterator[None]:
-    """Within it, the model's output (its `logits`) is the loss sum over this micro-batch's counted targets; outside,
-    the output layer is the Linear it was. Set outside a compiled step: the compiled graph reads the targets as the
+def output_layer_loss(model: torch.nn.Module, objective, targets: torch.Tensor, per_token: bool = False
+                      ) -> Iterator[None]:
+    """Within it, the model's output (its `logits`) is the loss sum over this micro-batch's counted targets (or, with
+    `per_token`, each aligned target's loss and whether it was the likeliest token, as (..., 2)); outside, the
+    output layer is the Linear it was. Set outside a compiled step: the compiled graph reads the targets as the
     layer's input, so a new micro-batch does not recompile it."""
     layer = output_layer(model)
     if "forward" not in vars(layer):  # once: the layer's own forward, which computes the loss while targets are set
         layer.forward, layer.chunked_objective = types.MethodType(_logits_or_loss_sum, layer), objective
         layer.chunked_targets = None
-    layer.chunked_targets = targets
+    layer.chunked_targets, layer.chunked_per_token = targets, per_token
     try:
         yield
     finally:
@@ -62,6 +66,8 @@ def output_layer_loss(model: torch.nn.Module, objective, targets: torch.Tensor) 
 def _logits_or_loss_sum(layer: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     if layer.chunked_targets is None:
         return F.linear(hidden, layer.weight, layer.bias)
+    if layer.chunked_per_token:
+        return chunked_token_scores(hidden, layer.weight, layer.bias, layer.chunked_targets, layer.chunked_objective)
     return chunked_loss_sum(hidden, layer.weight, layer.bias, layer.chunked_targets, layer.chunked_objective)
 
 
@@ -75,6 +81,21 @@ def chunked_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[
         total = total + checkpoint(_loss_sum_of_chunk, hidden[start:end], weight, bias, targets[start:end],
                                    objective.ignore_index, use_reentrant=False)
     return total
+
+
+def chunked_token_scores(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         targets: torch.Tensor, objective) -> torch.Tensor:
+    """Each aligned target's loss and whether the likeliest token is it, (..., 2) in fp32: evaluation's metrics
+    without a batch's logits (no gradient is kept, so nothing is checkpointed)."""
+    hidden, targets = objective.aligned(hidden, targets)
+    shape, hidden, targets = targets.shape, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    scores = []
+    for start in range(0, targets.numel(), objective.chunk_tokens):
+        logits = F.linear(hidden[start:start + objective.chunk_tokens], weight, bias).float()
+        chunk = targets[start:start + objective.chunk_tokens]
+        loss = F.cross_entropy(logits, chunk, ignore_index=objective.ignore_index, reduction="none")
+        scores.append(torch.stack([loss, (logits.argmax(-1) == chunk).float()], dim=-1))
+    return torch.cat(scores).view(*shape, 2)
 
 
 def _loss_sum_of_chunk(hidden, weight, bias, targets, ignore_index: int) -> torch.Tensor:

@@ -39,10 +39,19 @@ class CrossEntropy(Objective):
 
     def metrics(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, PerSample]:
         logits, targets = self.aligned(logits, targets)
-        counted = targets != self.ignore_index
         loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=self.ignore_index,
                                reduction="none").view(targets.shape)
-        correct = (logits.argmax(-1) == targets) & counted
+        return self._per_sample(loss, logits.argmax(-1) == targets, targets)
+
+    def metrics_of_token_scores(self, scores: torch.Tensor, targets: torch.Tensor) -> dict[str, PerSample]:
+        """metrics() from each aligned target's (loss, likeliest token is it), as objective.chunk_tokens computes
+        them through the output layer (src/objectives/chunked.py)."""
+        _, targets = self.aligned(targets, targets)
+        return self._per_sample(scores[..., 0], scores[..., 1].bool(), targets)
+
+    def _per_sample(self, loss: torch.Tensor, correct: torch.Tensor, targets: torch.Tensor) -> dict[str, PerSample]:
+        counted = targets != self.ignore_index
+        correct = correct & counted
         dims = tuple(range(1, targets.dim()))
         per_sample = (lambda t: t.sum(dims)) if dims else (lambda t: t)
         weight = per_sample(counted.float())
