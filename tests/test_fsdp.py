@@ -92,9 +92,12 @@ def test_a_sharded_start_builds_the_model_on_rank_0_alone_and_trains_the_weights
     assert max_abs_diff(exported_weights(whole), exported_weights(sharded)) == 0
 
 
-def test_a_killed_fsdp_run_resumes_bitwise_from_its_sharded_checkpoint(tmp_path, fsdp_run):
+@pytest.mark.parametrize("writing", [[], ["trainer.async_checkpoint=true"]], ids=["blocking", "in_background"])
+def test_a_killed_fsdp_run_resumes_bitwise_from_its_sharded_checkpoint(tmp_path, fsdp_run, writing):
+    """In the background, each rank's thread writes its shards (torch.distributed.checkpoint's async_save) while
+    training goes on; the checkpoint is the blocking one's, file for file."""
     run_dir = tmp_path / "run"
-    args = [*ARGS, f"hydra.run.dir={run_dir}"]
+    args = [*ARGS, *writing, f"hydra.run.dir={run_dir}"]
     kill_when(args, 2, ready=lambda: (run_dir / "checkpoints" / "step_00000008").is_dir(), **FSDP_ON_CPU)
     checkpoint = run_dir / "checkpoints" / "step_00000008"
     for state in ("pytorch_model_fsdp_0", "optimizer_0"):  # one shard per process, not a gathered copy
@@ -104,6 +107,9 @@ def test_a_killed_fsdp_run_resumes_bitwise_from_its_sharded_checkpoint(tmp_path,
     assert "resumed from" in proc.stdout
     assert max_loss_diff(fsdp_run, run_dir) == 0
     assert max_abs_diff(exported_weights(fsdp_run), exported_weights(run_dir)) == 0
+    periodic = [line for line in (run_dir / "train.log").read_text().splitlines()
+                if "saved checkpoint" in line and "step_00000012" not in line]  # the final save blocks
+    assert periodic and all(("written in the background" in line) == bool(writing) for line in periodic), periodic
 
 
 def test_an_fsdp_checkpoint_resumes_resharded_on_another_number_of_processes(tmp_path, fsdp_run):

@@ -13,10 +13,14 @@ place, so a kill at any moment leaves the newest complete checkpoint as the one 
 the state is copied to host memory (each rank writes its small random state at once); rank 0's thread then
 writes the files as save_state lays them out, fsyncs them and renames the folder (the commit) while training
 goes on. The next save, the final one, a stop's one and the export wait for it first, and a commit that failed
-stops every rank there. Sharded (FSDP) states save blocking: torch.distributed.checkpoint's collectives must
-stay on the loop's thread.
+stops every rank there. Sharded (FSDP) states go through accelerate's save_state as well, whose
+torch.distributed.checkpoint saves become its async_save: each rank copies its shards to host memory at the step,
+and a thread of each rank writes them, coordinating over a process group of its own (gloo), not the loop's; rank
+0's commit waits for its writes, which end only once every rank's shards are written (DCP's finishing step
+gathers them).
 """
 
+import contextlib
 import copy
 import json
 import logging
@@ -74,6 +78,8 @@ class Checkpointer:
         self.in_background = bool(trainer.get("async_checkpoint"))
         self.committing: Optional[threading.Thread] = None  # rank 0's commit in flight
         self.commit_failed: Optional[tuple[Exception, Path]] = None
+        self.writing: list = []  # this rank's sharded writes in flight (FSDP): torch.distributed.checkpoint futures
+        self.sharded_groups: list = []  # their process groups, one per state saved, made at the first such save
 
     @classmethod
     def for_run(cls, run, model: torch.nn.Module, ema, progress: Callable[[str], None]) -> "Checkpointer":
@@ -142,6 +148,12 @@ class Checkpointer:
         if self.committing is not None:
             self.committing.join()
             self.committing = None
+        for write in self.writing:
+            try:
+                write.result()
+            except Exception as error:  # noqa: BLE001 (agreed on below, as a failed commit is)
+                self.commit_failed = self.commit_failed or (error, self.root / ".tmp-sharded")
+        self.writing = []
         failure, tmp = self.commit_failed or (None, None)
         if self.in_background:
             self._stop_if_any_rank_failed(failure, tmp or self.root / ".tmp-unknown")
@@ -161,11 +173,17 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
         self.progress(f"saving checkpoint {final.name}")
-        # Sharded (FSDP) states are written by torch.distributed.checkpoint, whose collectives stay on this thread.
-        in_background = self.in_background and not blocking and accelerator.distributed_type != DistributedType.FSDP
+        in_background = self.in_background and not blocking
+        sharded = accelerator.distributed_type == DistributedType.FSDP
         failure, write = None, None
         try:
-            if in_background:  # copied to host memory now, written by rank 0's thread
+            if in_background and sharded:  # each rank's shards copied to host memory now, written by its thread
+                with self._sharded_saves_in_background() as writing:
+                    accelerator.save_state(str(tmp))
+                if accelerator.is_main_process:
+                    self._save_our_state(tmp, state)
+                write = (lambda: [w.result() for w in writing]) if accelerator.is_main_process else None
+            elif in_background:  # copied to host memory now, written by rank 0's thread
                 write = self._snapshot(tmp, state)
             else:
                 accelerator.save_state(str(tmp))
@@ -189,6 +207,31 @@ class Checkpointer:
             accelerator.wait_for_everyone()
         accelerator.log({"checkpoint/blocking_s": time.perf_counter() - started}, step=state.step)
         return final
+
+    @contextlib.contextmanager
+    def _sharded_saves_in_background(self):
+        """Within it, accelerate's torch.distributed.checkpoint.save calls are async_save calls, each on a process
+        group of its own: each is written by a thread of its own, whose collectives must interleave neither with
+        the loop's nor with the other state's (the weights and the optimizer state write at once). Yields the list
+        their futures go to, kept until the next wait(). accelerate lays out the files as ever."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+
+        save, writing = dcp.save, []
+
+        def save_in_background(state_dict, **options) -> None:
+            options.pop("process_group", None)
+            if len(self.sharded_groups) == len(writing):  # every rank saves the same states in the same order
+                self.sharded_groups.append(dist.new_group(backend="gloo"))
+            response = dcp.async_save(state_dict, process_group=self.sharded_groups[len(writing)], **options)
+            writing.append(getattr(response, "upload_completion", response))
+
+        dcp.save = save_in_background
+        try:
+            yield writing
+        finally:
+            dcp.save = save
+            self.writing = writing
 
     def _snapshot(self, tmp: Path, state: TrainState) -> Optional[Callable[[], None]]:
         """What accelerate's save_state writes, taken now: each rank writes its random state at once (it is

@@ -53,8 +53,8 @@ class TrainerConfig:
     keep_last_checkpoints: Annotated[int, Arg("newest complete checkpoints kept on disk", ge=2)] = 3
     async_checkpoint: Annotated[bool, Arg(
         "periodic and best checkpoints hold the loop only while the state is copied to host memory; a thread "
-        "writes and commits them while training goes on (FSDP's sharded states, the final and a stop's "
-        "checkpoint stay blocking)")] = False
+        "writes and commits them while training goes on (under FSDP each rank's shards, through "
+        "torch.distributed.checkpoint's async_save; the final and a stop's checkpoint stay blocking)")] = False
     max_grad_norm: Annotated[float, Arg("clip the global gradient norm to this (0: no clipping)", ge=0)] = 1.0
     monitor: Annotated[Optional[str], Arg(
         "metric that picks the best checkpoint (null: none); one the objective reports, e.g. eval/loss")] = "eval/loss"
