@@ -48,16 +48,23 @@ def test_chunked_loss_and_gradients_equal_the_plain_ones_for_the_tied_gpt(chunk)
     assert_same_training(model, CrossEntropy(), CrossEntropy(chunk_tokens=chunk), x, y)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_chunked_causal_lm_loss_and_gradients_equal_the_plain_ones_for_a_transformers_llama(lora):
+def llama_and_batch(lora: bool):
+    """A tiny transformers Llama (with a LoRA adapter, or not), two sequences and their labels, some ignored."""
     torch.manual_seed(0)
     model = tiny_llama()
     if lora:
         peft = pytest.importorskip("peft")
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     ids = torch.randint(0, VOCAB, (2, 24))
-    inputs, labels = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, ids.clone()
+    labels = ids.clone()
     labels[1, 20:] = -100
+    return model, ids, labels
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_chunked_causal_lm_loss_and_gradients_equal_the_plain_ones_for_a_transformers_llama(lora):
+    model, ids, labels = llama_and_batch(lora)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     expected, expected_grads = losses_and_gradients(model, CausalLM(), inputs, labels)
     got, grads = losses_and_gradients(model, CausalLM(chunk_tokens=10), inputs, labels)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
@@ -99,14 +106,7 @@ def test_chunked_evaluation_gives_the_metrics_of_the_whole_logits_for_the_gpt(co
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_chunked_evaluation_gives_the_metrics_of_the_whole_logits_for_a_transformers_llama(lora):
-    torch.manual_seed(0)
-    model = tiny_llama()
-    if lora:
-        peft = pytest.importorskip("peft")
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    ids = torch.randint(0, VOCAB, (2, 24))
-    labels = ids.clone()
-    labels[1, 20:] = -100
+    model, ids, labels = llama_and_batch(lora)
     assert_same_metrics(model, CausalLM(), CausalLM(chunk_tokens=10), {"input_ids": ids}, labels)
 
 
