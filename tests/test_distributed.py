@@ -109,6 +109,16 @@ def test_ranks_of_one_launch_agree_on_the_default_timestamped_run_dir(tmp_path):
     assert (run_dirs[0] / "model" / "model.safetensors").is_file()
 
 
+def test_ranks_that_resolve_different_run_dirs_are_refused_and_the_same_one_typed_trains(tmp_path):
+    """A hydra.run.dir that differs by rank (here by its RANK variable) would split a run: refused, suggesting one
+    for every process; typed, that trains."""
+    args = [*TINY_GPT, *QUIET, "trainer.max_steps=1", "data.batch_size=4"]
+    proc = run([*args, f"hydra.run.dir={tmp_path}/rank_${{oc.env:RANK}}"], nproc=2, check=False)
+    assert proc.returncode != 0
+    named(proc.stdout, f"{tmp_path}/rank_1", f"{tmp_path}/rank_0", "hydra.run.dir=PATH")
+    run([*args, f"hydra.run.dir={tmp_path}/same"], nproc=2)  # the suggestion: the same PATH on every process
+
+
 def test_bare_num_processes_without_cuda_warns_with_the_command_that_works(tmp_path):
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / 'bare'}"],
                command=[sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines",
