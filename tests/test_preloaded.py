@@ -85,7 +85,9 @@ def test_a_forked_two_process_launch_trains_what_the_real_launcher_does_and_its_
                   check=False)
     assert refused.returncode == 1  # the launcher's, for a failed worker
     printed = refused.stdout.split("ChildFailedError", 1)[0]  # the workers' own output, before the launcher's
-    assert printed.count("trainer.max_epochs=2") == 2  # each worker checked
+    # Each worker checks; the first to refuse exits at once (os._exit, src/launch/shutdown.py), and the launcher
+    # may stop the other before it has printed its own copy.
+    assert 1 <= printed.count("trainer.max_epochs=2") <= 2, printed[-3000:]
     named(launchers_root_cause(refused.stdout), "trainer.max_steps=100", "trainer.max_epochs=2",
           "trainer.max_steps=null")
 
