@@ -96,8 +96,7 @@ class HangWatch:
             if rank == self.rank or self.store is None:
                 continue
             try:
-                news = json.loads(self.store.get(f"hang_watch/{rank}")) if self.store.check([f"hang_watch/{rank}"]) \
-                    else None
+                news = _news(self.store, rank)
             except Exception:  # noqa: BLE001 (the store's host may be gone: report, as without the store)
                 return False
             if news and time.time() - news.get("progressed", 0.0) < self.report_after_s:
@@ -144,9 +143,8 @@ def _silent(store, world_size: int, report_after_s: float) -> str:
         return ""
     silent = []
     for rank in range(world_size):
-        key = f"hang_watch/{rank}"
         try:
-            news = json.loads(store.get(key)) if store.check([key]) else None
+            news = _news(store, rank)
         except Exception:  # noqa: BLE001
             return ""
         if news is None:
@@ -155,3 +153,9 @@ def _silent(store, world_size: int, report_after_s: float) -> str:
             silent.append(f"rank {rank} (pid {news['pid']} on {news['host']}: last finished step {news['step']}, "
                           f"silent for {time.time() - news['heard']:.0f} s)")
     return "; ".join(silent)
+
+
+def _news(store, rank: int) -> dict | None:
+    """What rank `rank`'s watcher last told the store (None if it never did); raises if the store is gone."""
+    key = f"hang_watch/{rank}"
+    return json.loads(store.get(key)) if store.check([key]) else None

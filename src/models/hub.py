@@ -60,7 +60,6 @@ def local_path(name: str, key: str, files: list[str] = MODEL_FILES, refresh: boo
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-
     def snapshot(patterns: list[str], **options) -> Path:
         return Path(snapshot_download(name, repo_type=repo_type, revision=revision, allow_patterns=patterns,
                                       **options))

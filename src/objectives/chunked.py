@@ -73,12 +73,10 @@ def _logits_or_loss_sum(layer: torch.nn.Linear, hidden: torch.Tensor) -> torch.T
 
 def chunked_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
                      objective) -> torch.Tensor:
-    hidden, targets = objective.aligned(hidden, targets)  # causal: position t predicts target t+1
-    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    _, chunks = _aligned_chunks(hidden, targets, objective)
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, targets.numel(), objective.chunk_tokens):
-        end = start + objective.chunk_tokens
-        total = total + checkpoint(_loss_sum_of_chunk, hidden[start:end], weight, bias, targets[start:end],
+    for hidden_chunk, target_chunk in chunks:
+        total = total + checkpoint(_loss_sum_of_chunk, hidden_chunk, weight, bias, target_chunk,
                                    objective.ignore_index, use_reentrant=False)
     return total
 
@@ -87,15 +85,23 @@ def chunked_token_scores(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
                          targets: torch.Tensor, objective) -> torch.Tensor:
     """Each aligned target's loss and whether the likeliest token is it, (..., 2) in fp32: evaluation's metrics
     without a batch's logits (no gradient is kept, so nothing is checkpointed)."""
+    shape, chunks = _aligned_chunks(hidden, targets, objective)
+    scores = []
+    for hidden_chunk, target_chunk in chunks:
+        logits = F.linear(hidden_chunk, weight, bias).float()
+        loss = F.cross_entropy(logits, target_chunk, ignore_index=objective.ignore_index, reduction="none")
+        scores.append(torch.stack([loss, (logits.argmax(-1) == target_chunk).float()], dim=-1))
+    return torch.cat(scores).view(*shape, 2)
+
+
+def _aligned_chunks(hidden: torch.Tensor, targets: torch.Tensor, objective) -> tuple[torch.Size, list]:
+    """The aligned targets' shape (causal: position t predicts target t+1), and (hidden states, targets) as rows,
+    objective.chunk_tokens of them at a time."""
     hidden, targets = objective.aligned(hidden, targets)
     shape, hidden, targets = targets.shape, hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    scores = []
-    for start in range(0, targets.numel(), objective.chunk_tokens):
-        logits = F.linear(hidden[start:start + objective.chunk_tokens], weight, bias).float()
-        chunk = targets[start:start + objective.chunk_tokens]
-        loss = F.cross_entropy(logits, chunk, ignore_index=objective.ignore_index, reduction="none")
-        scores.append(torch.stack([loss, (logits.argmax(-1) == chunk).float()], dim=-1))
-    return torch.cat(scores).view(*shape, 2)
+    size = objective.chunk_tokens
+    return shape, [(hidden[start:start + size], targets[start:start + size])
+                   for start in range(0, targets.numel(), size)]
 
 
 def _loss_sum_of_chunk(hidden, weight, bias, targets, ignore_index: int) -> torch.Tensor:
