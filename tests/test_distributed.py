@@ -246,3 +246,26 @@ def test_two_machines_whose_host_name_is_loopback_train_over_gloo_on_the_routed_
         named(output, "loopback", f"gloo binds to {interface}")
     assert banner_row(outputs[0], "distributed type") == "DistributedType.MULTI_CPU"
     assert sorted(scalars(tmp_path / "run", "train/loss")) == [1, 2, 3]
+
+
+SQRT_OVER_TWO_THREADS = """
+import hashlib, sys, torch
+from accelerate import Accelerator
+from src.launch.accelerator import use_cpu_threads
+torch.set_num_threads(2)
+if sys.argv[1] == "set-up":
+    use_cpu_threads(Accelerator(cpu=True), 2)  # what train.py and eval.py do before anything else runs
+squares = torch.linspace(1e-4, 3e-3, 2080) ** 2 * 0.01  # AdamW's second moment of a 65 x 32 embedding's gradient
+print(hashlib.sha1(squares.sqrt().numpy().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.slow
+def test_every_process_computes_the_same_bits_of_a_first_vector_math_op_split_over_two_threads():
+    """The first call into MKL's vector math from two threads at once rounds differently in some processes on a
+    Xeon (src/launch/accelerator.py, settle_vector_math): AdamW's first sqrt, and two identical runs drifted apart.
+    After the set-up every process computes the same bits. Without it, 11 of 60 processes of this script differed
+    on the 2-core Xeon VM: 30 processes then show a regression there all but surely (not on every CPU)."""
+    digests = {subprocess.run([sys.executable, "-c", SQRT_OVER_TWO_THREADS, "set-up"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip() for _ in range(30)}
+    assert len(digests) == 1, digests

@@ -99,6 +99,16 @@ def use_cpu_threads(accelerator: Accelerator, threads: int | None) -> None:
     cores = int(os.environ.get("SLURM_CPUS_PER_TASK", 0)) or (
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     torch.set_num_threads(threads or max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    settle_vector_math()
+
+
+def settle_vector_math() -> None:
+    """MKL's vector math (torch's sqrt, exp, log... of a float tensor on CPU) sets itself up at its first call.
+    When that first call comes from two intra-op threads at once (an op over more than 2,048 elements is split
+    between them), one of them may round differently: AdamW's sqrt of a 2,080-element tensor gave other bits in
+    about 1 process in 20 on a 2-core Xeon (two identical runs then differed, DDP replicas drifted apart). One
+    call from this thread alone first: none in 160 (tests/test_distributed.py)."""
+    torch.ones(8).sqrt()
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
