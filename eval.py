@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 import src.launch.hydra_hooks  # noqa: F401  (registers the resolvers a run's config may use)
 from src.checkpointing.export import load_exported_model
 from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
+from src.data.packing import attend_per_document
 from src.data.tokenizer import BUILT_IN_TOKENIZERS
 from src.launch.accelerator import keep_freed_memory, use_cpu_threads
 from src.launch.checks import check_process_count
@@ -46,6 +47,8 @@ def main(cfg: DictConfig) -> None:
         model = load_exported_model(source)
     else:
         model = load_checkpointed_model(source, run_cfg)  # the run's config holds the data-derived sizes
+    if data.attends_per_document:  # data.packing=true
+        attend_per_document(model)
     model = accelerator.prepare_model(model, evaluation_mode=True)
     val_loader = accelerator.prepare_data_loader(data.val_dataloader(cfg.eval_batches))
 

@@ -23,6 +23,7 @@ from src.checkpointing.checkpointer import resume_point
 from src.checkpointing.load import load_initial_weights
 from src.checkpointing.resume import check_same_data
 from src.data.base import DataModule
+from src.data.packing import attend_per_document
 from src.data.tokenizer import BUILT_IN_TOKENIZERS
 from src.errors import UsageError
 from src.faults.run_dir_lock import acquire_run_dir
@@ -101,6 +102,8 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
         model = build(cfg.model, group="model")
     give_storage(accelerator, model)
     check_vocabulary_fits(model, data.sizes(), cfg.model)
+    if data.attends_per_document:  # data.packing=true
+        attend_per_document(model)
     warn_if_it_cannot_fit(accelerator, model, cfg)  # weights, gradients and optimizer state against the memory
     # A resumed run continues from its checkpoint's weights; in a sharded start, rank 0's are sent to the others.
     if cfg.trainer.init_weights and not checkpoint and holds_values(accelerator):

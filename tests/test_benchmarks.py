@@ -80,7 +80,9 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu():
      lambda r: r["async (the loop's)"]["ms_per_step"]),
     (["scale", "--sizes", "1x64", "--layouts", "ddp", "fsdp2", "--block-size", "32"],
      lambda r: len(r["1x64"]["fsdp2"]["peak_rss_gib_per_rank"]) == 2 and r["1x64"]["fsdp2_over_ddp_peak"]),
-], ids=["startup", "checkpoint", "stop-vote", "scale"])
+    (["packing", "--repeats", "1", "--steps", "2", "--block-size", "32", "--model", "gpt"],
+     lambda r: r["packed"]["targets_per_step"] > r["padded"]["targets_per_step"] > 0),
+], ids=["startup", "checkpoint", "stop-vote", "scale", "packing"])
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
     args = [*command, "--dir", str(tmp_path)] if command[0] in ("checkpoint", "scale") else command

@@ -315,8 +315,16 @@ def test_hugging_face_datasets_prompt_the_same_way_padded_or_packed(tmp_path, pr
     assert [padded.train[i]["labels"].tolist() for i in range(3)] == [jsonl.train[i]["labels"].tolist()
                                                                        for i in range(3)]
     packed = HFDataset(path=str(tmp_path / "pairs.parquet"), prompt_column="prompt", packing=True, **options)
+    documents = []  # each document's labels, as the packed blocks hold them
+    for i in range(len(packed.train)):
+        block = packed.train[i]
+        starts = [t for t, p in enumerate(block["position_ids"].tolist()) if p == 0] + [len(block["labels"])]
+        documents += [block["labels"][a:b].tolist() for a, b in zip(starts, starts[1:])]
+    assert sorted(documents) == sorted(jsonl.train[i]["labels"].tolist() for i in range(len(jsonl.train)))
+    across = HFDataset(path=str(tmp_path / "pairs.parquet"), prompt_column="prompt", packing="cross_document",
+                       **options)
     stream = [label for i in range(len(jsonl.train)) for label in jsonl.train[i]["labels"].tolist()]
-    assert packed.train[1]["labels"].tolist() == stream[48:96]  # the answers' labels, across a block boundary
+    assert across.train[1]["labels"].tolist() == stream[48:96]  # the answers' labels, across a block boundary
 
 
 def test_prompts_that_fill_the_block_are_counted_in_a_warning_and_a_missing_prompt_key_is_refused(

@@ -1,5 +1,6 @@
 """data=hf_dataset: a local Hugging Face dataset in any of its formats, tokenized through Dataset.map with its
-cache, padded per batch or packed into blocks, and resumed bitwise like the built-in data."""
+cache, padded per batch or packed into blocks (per document, or across documents), and resumed bitwise like the
+built-in data; packed per document, a model's validation loss is its padded one."""
 
 import json
 
@@ -56,19 +57,42 @@ def test_a_named_validation_split_of_a_saved_dataset_dict_validates(tmp_path):
     named(str(refused.value), "data.val_split=validation", "train, test")  # the key, and what is there
 
 
-def test_packing_cuts_the_documents_end_to_end_into_blocks_and_masks_document_starts_when_asked(formats):
+def test_cross_document_packing_cuts_the_documents_end_to_end_into_blocks_and_masks_starts_when_asked(formats):
     stream, starts = [], set()
     for text in SPEECHES[:180]:  # the training documents; a map batch holds all of them
         starts.add(len(stream))
         stream += list(text.encode())
-    data = build(path=str(formats["parquet"]), packing=True, mask_boundaries=True)
-    assert len(data.train) == len(stream) // 32
+    data = build(path=str(formats["parquet"]), packing="cross_document", mask_boundaries=True)
+    assert len(data.train) == len(stream) // 32 and data.collate_fn is None
     block = data.train[5]
-    assert block["input_ids"].tolist() == stream[5 * 32 : 6 * 32]
+    assert block["input_ids"].tolist() == stream[5 * 32 : 6 * 32] and "position_ids" not in block
     masked = [t for t in range(32) if block["labels"][t] == IGNORE_INDEX]
     assert masked == [t for t in range(1, 32) if 5 * 32 + t in starts] and masked  # a start inside this block
-    unmasked = build(path=str(formats["parquet"]), packing=True)
+    unmasked = build(path=str(formats["parquet"]), packing="cross_document")
     assert torch.equal(unmasked.train[5]["labels"], block["input_ids"])
+
+
+@pytest.mark.parametrize("long_documents", ["truncate", "split"])
+def test_packing_per_document_batches_whole_documents_with_their_positions_and_says_what_it_cut(
+        formats, caplog, long_documents):
+    with caplog.at_level("INFO"):
+        data = build(path=str(formats["parquet"]), block_size=64, packing=True, long_documents=long_documents)
+    documents = [list(text.encode()) for text in SPEECHES[:180]]
+    cut = sum(len(ids) > 64 for ids in documents)
+    pieces = ([ids[:64] for ids in documents] if long_documents == "truncate" else
+              [ids[i : i + 64] for ids in documents for i in range(0, len(ids), 64)])
+    found = []
+    for i in range(len(data.train)):
+        block = data.train[i]
+        positions = block["position_ids"].tolist()
+        starts = [t for t, p in enumerate(positions) if p == 0] + [len(positions)]
+        found += [block["input_ids"][a:b].tolist() for a, b in zip(starts, starts[1:])]
+        assert all(block["labels"][a] == IGNORE_INDEX for a in starts[:-1])
+    assert sorted(found) == sorted(pieces) and len(data.train) < len(pieces) and cut
+    named(caplog.text, "data.packing=true", f"{len(pieces)} documents in {len(data.train)} blocks", f"{cut} longer",
+          *(["data.long_documents=split"] if long_documents == "truncate" else []))
+    batch = data.collate_fn([data.train[i] for i in range(3)])
+    assert sorted(batch) == ["input_ids", "labels", "position_ids"]  # no attention_mask: positions say it all
 
 
 def test_a_second_build_reuses_the_map_cache(formats):
@@ -91,14 +115,18 @@ def test_the_fingerprint_of_a_saved_dataset_names_its_files_and_ignores_the_cach
 @pytest.mark.parametrize("kwargs, names", [
     ({"text_column": "body"}, ("data.text_column=body", "{path}", "text, speaker")),
     ({"split": "validation"}, ("data.split=validation", "{path}", "train")),
-    ({"mask_boundaries": True}, ("data.mask_boundaries=true", "data.packing=true")),
+    ({"mask_boundaries": True}, ("data.mask_boundaries=true", "data.packing=cross_document")),
+    ({"mask_boundaries": True, "packing": True}, ("data.mask_boundaries=true", "data.packing=cross_document")),
+    ({"long_documents": "split"}, ("data.long_documents=split", "data.packing=true")),
 ])
 def test_a_column_or_split_that_does_not_exist_is_refused_naming_what_there_is(formats, kwargs, names):
     with pytest.raises(UsageError) as error:
         build(path=str(formats["parquet"]), **kwargs)
     named(str(error.value), *(name.format(path=formats["parquet"]) for name in names))
-    if "data.packing=true" in names:  # the suggestion, typed
-        assert build(path=str(formats["parquet"]), packing=True, **kwargs).train
+    suggested = next((name.split("=")[1] for name in names if name.startswith("data.packing=")), None)
+    if suggested:  # the suggestion, typed
+        packing = {"true": True, "cross_document": "cross_document"}[suggested]
+        assert build(path=str(formats["parquet"]), **{**kwargs, "packing": packing}).train
 
 
 CARD = """---
@@ -185,7 +213,7 @@ def test_a_packed_hf_dataset_run_of_a_transformers_model_killed_on_two_processes
     dropout = [f"model.config.{key}=0.1" for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop")]
     args = ["model=hf_causal_lm", "model.config.n_layer=2", "model.config.n_embd=32", "model.config.n_head=2",
             *dropout, "model.block_size=32", "data=hf_dataset", f"data.path={formats['parquet']}", "data.packing=true",
-            "data.mask_boundaries=true", "objective=causal_lm", "data.batch_size=2",
+            "objective=causal_lm", "data.batch_size=2",
             "trainer.gradient_accumulation_steps=2", "trainer.max_steps=8", "trainer.checkpoint_every=4",
             "trainer.monitor=null", *QUIET]
     reference, killed = tmp_path / "uninterrupted", tmp_path / "killed"
@@ -195,3 +223,28 @@ def test_a_packed_hf_dataset_run_of_a_transformers_model_killed_on_two_processes
     run([*args, f"hydra.run.dir={killed}", "resume=auto"], nproc=2)
     assert scalars(killed, "train/loss") == scalars(reference, "train/loss")
     assert max_abs_diff(exported_weights(reference), exported_weights(killed)) == 0
+
+
+MODELS = {
+    "template_gpt": ["model=gpt", "model.n_layer=2", "model.n_embd=32", "model.n_head=2"],
+    "llama": ["model=hf_causal_lm", "~model.config", "+model.config={model_type: llama, hidden_size: 32, "
+              "intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 2, num_key_value_heads: 1, "
+              "vocab_size: ${dataset:vocab_size}, max_position_embeddings: 64}"],
+}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_models_validation_loss_is_the_same_packed_per_document_or_padded_on_one_and_two_processes(
+        tmp_path, formats, model):
+    """Each validation document whole in a packed block, attending to itself only: every token's loss is its
+    padded one, so the mean over the split is too, whatever the number of processes."""
+    run([*MODELS[model], "model.block_size=64", "data=hf_dataset", f"data.path={formats['parquet']}",
+         "objective=causal_lm", "trainer.max_steps=3", "data.batch_size=4", *QUIET, f"hydra.run.dir={tmp_path}/run"])
+    losses = {}
+    for packing, nproc in (("false", 1), ("true", 1), ("true", 2)):
+        output = tmp_path / f"{packing}_{nproc}.json"
+        run([f"path={tmp_path / 'run' / 'model'}", f"+data.packing={packing}", f"output={output}"], script="eval.py",
+            nproc=nproc)
+        losses[packing, nproc] = json.loads(output.read_text())["eval/loss"]
+    padded = losses["false", 1]
+    assert abs(losses["true", 1] - padded) < 1e-5 and abs(losses["true", 2] - padded) < 1e-5, losses

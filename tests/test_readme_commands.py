@@ -34,6 +34,9 @@ RUN = [
     ("torchrun --nproc_per_node N train.py", {" N ": " 2 "}, [*TINY, *STEPS]),
     ("accelerate launch train.py model=hf_causal_lm", {}, [*TINY_HF, *STEPS]),
     ("accelerate launch train.py model=hf_causal_lm data=jsonl objective=causal_lm", {}, [*TINY_HF, *STEPS]),
+    ("accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=data/shakespeare_speeches.jsonl "
+     "data.packing=true objective=causal_lm hydra.run.dir=outputs/packed", {}, [*TINY_HF, *STEPS]),
+    ("python eval.py path=outputs/packed/model +data.packing=false", {}, []),
     ("accelerate launch train.py model.n_layer=6 optimizer.lr=6e-4 trainer.max_steps=5000", {}, [*TINY, *STEPS]),
     ("accelerate launch train.py experiment=cifar10_resnet data.root=/data/cifar-10-batches-bin",
      {"/data/cifar-10-batches-bin": "{cifar}"}, [*STEPS, "data.batch_size=8"]),
@@ -92,8 +95,8 @@ NOT_RUN = {
                                   "instruction-tunes a small pretrained folder",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/RUN/model data=jsonl objective=causal_lm":
         "tests/test_finetune.py fine-tunes one run's export in another",
-    "accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=corpus.parquet data.packing=true "
-    "objective=causal_lm": "needs a dataset of the user's; tests/test_hf_dataset.py trains on Parquet it writes",
+    "accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=corpus.parquet "
+    "data.packing=cross_document objective=causal_lm": "needs a dataset of the user's; tests/test_hf_dataset.py trains on Parquet it writes",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=gpt2 data=hf_dataset data.path=Salesforce/wikitext "
     "data.subset=wikitext-2-raw-v1 data.val_split=validation data.packing=true objective=causal_lm":
         "downloads from the Hugging Face hub (no network here); tests/test_hf_dataset.py reads a dataset's subset "

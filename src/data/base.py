@@ -120,6 +120,9 @@ class DataModule:
     # True when the targets are the inputs themselves (Hugging Face's `labels = input_ids`), to be shifted by
     # the objective: an objective that does not shift would train the model to copy its input.
     targets_are_inputs: bool = False
+    # True when samples pack several documents whose tokens must attend within their own document only: they
+    # carry position_ids that restart at each document, and the model must read them (src/data/packing.py).
+    attends_per_document: bool = False
     # Text data: how text becomes token ids and back (src/data/tokenizer.py), for sampling and the export.
     codec: Optional["Codec"] = None
 

@@ -3,30 +3,33 @@ them, a folder written by `save_to_disk`, or a dataset on the hub by its id (its
 Hugging Face cache, src/models/hub.py; `data.subset` picks one of several subsets).
 
     accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=corpus.parquet objective=causal_lm
-    ... data.packing=true data.mask_boundaries=true        # fixed blocks of concatenated documents
+    ... data.packing=true                  # whole documents packed into blocks, each attending to itself only
 
 `data.text_column` is tokenized (by bytes, a tokenizers JSON file, or a pretrained model's tokenizer: the default
 with `model.pretrained`) with `Dataset.map`, whose cache the next run reuses. The main process of each machine
 maps first; the others then read its cache, so no two processes of a machine tokenize at once. Batches are as
 `data=jsonl` gives them, Hugging Face's form (labels = input_ids, -100 where nothing is predicted: use
-`objective=causal_lm`): each document truncated to `block_size` and padded per batch, or with `packing` the
-documents concatenated and cut into blocks of `block_size` (a map batch's tail shorter than a block is dropped,
-as transformers' run_clm does). With `mask_boundaries` no label asks a block to predict a document's first
-token from the document before it. With `prompt_column`, each document is a prompt and its completion (instruction
-tuning, as `data=jsonl`'s `prompt_key`): only the completion is trained on. Validation is a named split
-(`val_split`) or the last `val_fraction` of the documents.
+`objective=causal_lm`): each document truncated to `block_size` and padded per batch, or packed
+(src/data/packing.py): with `packing=true` whole documents share blocks of `block_size`, each attending to itself
+only (the same training as padded, with less padding); with `packing=cross_document` the documents are
+concatenated and cut into blocks, attending across (`mask_boundaries`: no label asks a block to predict a
+document's first token from the document before it). With `prompt_column`, each document is a prompt and its
+completion (instruction tuning, as `data=jsonl`'s `prompt_key`): only the completion is trained on. Validation
+is a named split (`val_split`) or the last `val_fraction` of the documents.
 """
 
 import functools
 import hashlib
+import logging
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size
-from src.data.jsonl import IGNORE_INDEX, conversation, pad_right, prompted, warn_untrained
+from src.data.jsonl import conversation, pad_right, prompted, warn_untrained
+from src.data.packing import cross_document_blocks, packed_documents, packing_summary, pad_packed
 from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
 from src.models.hub import dataset_path
@@ -35,21 +38,26 @@ from src.schema.signature import Arg
 # File suffixes and the `datasets` builder that reads them.
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 
+log = logging.getLogger(__name__)
+
 
 class Rows(Dataset):
-    """A tokenized `datasets.Dataset` as samples {"input_ids", "labels"} of at most block_size tokens."""
+    """A tokenized `datasets.Dataset` as samples {"input_ids", "labels"} of at most block_size tokens, and their
+    "position_ids" where documents are packed per document."""
 
     def __init__(self, rows: Any, block_size: int):
         self.rows, self.block_size = rows.with_format("torch"), block_size
+        self.keys = [key for key in ("input_ids", "labels", "position_ids") if key in rows.column_names]
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         row = self.rows[i]
-        ids = row["input_ids"][: self.block_size].long()
-        labels = row["labels"][: self.block_size].long() if "labels" in row else ids.clone()
-        return {"input_ids": ids, "labels": labels}
+        sample = {key: row[key][: self.block_size].long() for key in self.keys}
+        if "labels" not in sample:
+            sample["labels"] = sample["input_ids"].clone()
+        return sample
 
 
 class HFDataset(DataModule):
@@ -76,18 +84,29 @@ class HFDataset(DataModule):
         tokenizer: Annotated[Optional[str], Arg("byte, a tokenizers JSON file or a from_pretrained folder or hub "
                                                 "id holding one (null: byte)")] = "byte",
         tokenizer_revision: Annotated[Optional[str], Arg(REVISION)] = None,
-        packing: Annotated[bool, Arg("concatenate documents and cut them into blocks of block_size (no "
-                                     "padding)")] = False,
-        mask_boundaries: Annotated[bool, Arg("with packing: never predict a document's first token from the "
-                                             "document before it (label -100)")] = False,
+        packing: Annotated[Union[bool, Literal["cross_document"]], Arg(
+            "true: whole documents packed into blocks of block_size, each attending to itself only (trains as "
+            "padded documents do, with less padding); cross_document: documents end to end, cut at block edges, "
+            "attending across (pretraining on continuous text); false: one document per sample, padded")] = False,
+        long_documents: Annotated[Literal["truncate", "split"], Arg(
+            "with packing=true, a document longer than block_size is truncated to it (as unpacked) or split into "
+            "documents of block_size")] = "truncate",
+        mask_boundaries: Annotated[bool, Arg("with packing=cross_document: never predict a document's first token "
+                                             "from the document before it (label -100)")] = False,
         **loader,
     ):
         super().__init__(**loader)
         from accelerate import PartialState
 
-        if mask_boundaries and not packing:
-            raise UsageError("data.mask_boundaries=true needs data.packing=true (documents share a block only "
-                             "when packed)")
+        if mask_boundaries and packing != "cross_document":
+            raise UsageError(f"data.mask_boundaries=true is for data.packing=cross_document, where documents share "
+                             f"blocks across their boundaries (data.packing={str(packing).lower()}: "
+                             + ("each document attends to itself only, and its first token is never a target)"
+                                if packing is True else "one document per sample)"))
+        if long_documents == "split" and packing is not True:
+            raise UsageError("data.long_documents=split is for data.packing=true (unpacked documents are truncated "
+                             "to block_size; cross_document packing cuts every document at block edges)")
+        self.attends_per_document = packing is True  # the model must read documents from position_ids
         self.codec = codec_for(tokenizer, revision=tokenizer_revision)
         # One process per machine loads (datasets converts files to Arrow) and maps, writing the caches; the
         # others wait, then read them.
@@ -96,16 +115,21 @@ class HFDataset(DataModule):
             source = dataset_path(path, subset, refresh=PartialState().is_local_main_process)
             train, val = self._documents(source, path, split, val_split, val_fraction, text_column, subset,
                                          prompt_column)
-            train, val = (self._tokenized(d, text_column, prompt_column, block_size, packing, mask_boundaries)
-                          for d in (train, val))
+            train, val = (self._tokenized(d, text_column, prompt_column, block_size, packing, mask_boundaries,
+                                          long_documents == "split") for d in (train, val))
         if prompt_column and not packing:  # a sample of the data says enough, at a bounded cost
             warn_untrained(train.select(range(min(len(train), 10_000)))["labels"], block_size, f"data.path={path}")
         if len(train) == 0 or len(val) == 0:
             raise UsageError(f"data.path={path}: no {'block' if packing else 'document'} to "
                              f"{'train' if len(train) == 0 else 'validate'} on (data.block_size={block_size})")
+        if packing is True and PartialState().is_main_process:
+            for name, split_blocks in (("training", train), ("validation", val)):
+                log.info("data.packing=true, %s: %s", name,
+                         packing_summary(split_blocks, block_size, long_documents == "split"))
         self.train, self.val = Rows(train, block_size), Rows(val, block_size)
         self.source_files = _source_files(source)
-        self.collate_fn = None if packing else functools.partial(pad_right, pad_id=0)
+        self.collate_fn = {True: pad_packed, "cross_document": None}.get(packing, functools.partial(pad_right,
+                                                                                                     pad_id=0))
 
     @staticmethod
     def _documents(source: Path, path: str, split: str, val_split: Optional[str], val_fraction: float,
@@ -124,30 +148,31 @@ class HFDataset(DataModule):
         return train.select(range(len(train) - n_val)), train.select(range(len(train) - n_val, len(train)))
 
     def _tokenized(self, documents: Any, text_column: str, prompt_column: Optional[str], block_size: int,
-                   packing: bool, mask_boundaries: bool) -> Any:
+                   packing: Union[bool, str], mask_boundaries: bool, split_long: bool) -> Any:
         codec = self.codec
         # The cache key: the documents' own fingerprint (datasets keeps it as _fingerprint) and every setting
         # of the mapping, stated rather than left to datasets' hashing of the closure (a tokenizer inside).
         identity = hashlib.blake2b(digest_size=8)
         for part in (documents._fingerprint, text_column, prompt_column, block_size, packing, mask_boundaries,
-                     codec.kind, codec.end_of_text, codec.chat.source if codec.chat else "",
+                     split_long, codec.kind, codec.end_of_text, codec.chat.source if codec.chat else "",
                      codec.tokenizer.to_str() if codec.tokenizer else ""):
             identity.update(str(part).encode())
 
         def tokenize(batch: dict) -> dict:
-            if prompt_column is None and any(isinstance(text, list) for text in batch[text_column]):
+            chats = prompt_column is None and any(isinstance(text, list) for text in batch[text_column])
+            if chats:
                 samples = [conversation(codec, text) for text in batch[text_column] if text]  # assistant turns
-                ids, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
-                return _packed(ids, labels, block_size, mask_boundaries) if packing else {"input_ids": ids,
-                                                                                          "labels": labels}
-            if prompt_column is None:
-                ids = [codec.encode(text) for text in batch[text_column] if text]
-                return _packed(ids, ids, block_size, mask_boundaries) if packing else {"input_ids": ids}
-            samples = [prompted(codec, prompt if prompt is not None else "", text)
-                       for prompt, text in zip(batch[prompt_column], batch[text_column]) if text]
+            elif prompt_column is None:
+                samples = [(ids, ids) for ids in (codec.encode(text) for text in batch[text_column] if text)]
+            else:
+                samples = [prompted(codec, prompt if prompt is not None else "", text)
+                           for prompt, text in zip(batch[prompt_column], batch[text_column]) if text]
             ids, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
-            return _packed(ids, labels, block_size, mask_boundaries) if packing else {"input_ids": ids,
-                                                                                      "labels": labels}
+            if packing is True:
+                return packed_documents(ids, labels, block_size, split_long)
+            if packing == "cross_document":
+                return cross_document_blocks(ids, labels, block_size, mask_boundaries)
+            return {"input_ids": ids, "labels": labels} if prompt_column or chats else {"input_ids": ids}
 
         return documents.map(tokenize, batched=True, remove_columns=documents.column_names,
                              new_fingerprint=identity.hexdigest(), desc="tokenizing")
@@ -155,25 +180,6 @@ class HFDataset(DataModule):
     @model_size
     def vocab_size(self) -> int:
         return self.codec.vocab_size
-
-
-def _packed(documents: list[list[int]], document_labels: list[list[int]], block_size: int,
-            mask_boundaries: bool) -> dict:
-    """The documents end to end, cut into blocks, with their labels (-100 on prompts); also -100 where a document
-    starts mid-block if asked."""
-    stream, stream_labels, starts = [], [], set()
-    for ids, labels in zip(documents, document_labels):
-        starts.add(len(stream))
-        stream += ids
-        stream_labels += labels
-    blocks = {"input_ids": [], "labels": []}
-    for begin in range(0, len(stream) - block_size + 1, block_size):
-        ids = stream[begin : begin + block_size]
-        labels = [IGNORE_INDEX if mask_boundaries and begin + t in starts and t > 0 else stream_labels[begin + t]
-                  for t in range(len(ids))]
-        blocks["input_ids"].append(ids)
-        blocks["labels"].append(labels)
-    return blocks
 
 
 def _source_files(source: Path) -> dict[str, Path]:

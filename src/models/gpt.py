@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from src.data.packing import documents_of
 from src.schema.signature import Arg
 
 
@@ -27,13 +28,14 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`mask`: (B, 1, T, T), True where a token may attend (packed documents); None: causal."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.proj(y))
@@ -58,8 +60,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd, bias=bias)
         self.mlp = MLP(n_embd, dropout, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -108,23 +110,32 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token ids (B, T) -> next-token logits (B, T, vocab_size).
 
         `attention_mask` is accepted so that Hugging Face-style batches fit, and needs no use: with causal
         attention and padding on the right (as src/data/jsonl.py pads), no real token attends to a pad.
+        `position_ids` (B, T), as packed documents come (src/data/packing.py): each document's tokens take their
+        positions in it and attend to their own document only.
         """
         idx, T = input_ids, input_ids.shape[1]
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size {self.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        mask = None
+        if position_ids is None:
+            pos = torch.arange(T, device=idx.device)
+        else:
+            pos, documents = position_ids, documents_of(position_ids)
+            causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()
+            mask = (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)  # (B, 1, T, T)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             if self.gradient_checkpointing and self.training:
                 # The recomputation replays the block's RNG state, so dropout masks (and the loss) are unchanged.
-                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, mask, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, mask)
         return self.lm_head(self.ln_f(x))
 
     def flops_per_token(self) -> int:
