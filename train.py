@@ -38,7 +38,7 @@ from src.loop.stopping import FINISHED, PREEMPTED, StopDecision
 from src.optim.optimizers import build_optimizer
 from src.reporting.progress import Progress
 from src.reporting.run_log import start_run_log, stop_run_log
-from src.reporting.telemetry import Telemetry, process_start_time
+from src.reporting.telemetry import Telemetry
 from src.run import build_run
 from src.schema.build import build
 
@@ -81,14 +81,13 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     # Loop: one optimizer step per window of micro-batches, then what follows it: log, evaluate, sample, decide
     # whether to stop, let the checkpointer save.
     train_step = TrainStep(accelerator, model, optimizer, scheduler, ema, run.objective, trainer, run_dir)
-    telemetry = Telemetry(accelerator, model, state.global_batch, trainer.mixed_precision, trainer.peak_tflops,
-                          process_start_time(), trainer.profile, run_dir)
+    telemetry = Telemetry(accelerator, model, state.global_batch, trainer, run_dir)
     evaluate = Evaluation(accelerator, model, ema, val_loader, train_step.forward, trainer, telemetry,
                           hang_watch.alive)
     sampler = Sampler(accelerator, trainer, run.data.codec, model, cfg.model.get("block_size") or 0, hang_watch.alive)
     preemption = PreemptionWatch(accelerator.num_processes)  # SIGTERM, SIGUSR1/2, Ctrl-C: save, then stop
     stop = StopDecision(trainer, preemption)
-    progress = Progress(trainer.max_steps, state.step, accelerator.is_main_process, trainer.progress_interval_s)
+    progress = Progress(accelerator, trainer.max_steps, state.step, trainer.progress_interval_s)
     model.train()
     evaluate.before_training(state.step)  # trainer.eval_on_start: a fresh run's metrics at step 0
     stop_reason = stop.before_training(state)  # resumed from an early stop: nothing left to train
@@ -105,10 +104,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         signalled = preemption.step_finished()  # the same on every rank
         if logging_step or evaluating or signalled or checkpointer.saves_at(state.step):
             train_step.settle()  # stops at a non-finite step before anything of it is logged or saved
-        logged = {**train_step.scalars(result), **telemetry.scalars()} if logging_step else {}
-        if logged:
-            accelerator.log(logged, step=state.step)
-        progress.update(state.step, logged)
+        progress.report(state.step, {**train_step.scalars(result), **telemetry.scalars()} if logging_step else {})
         step_metrics = evaluate(state.step) if evaluating else None
         sampler.step_finished(state.step, model)  # trainer.sample_every: text from rank 0
         stop_reason = stop.after_step(state, step_metrics, signalled)
@@ -119,9 +115,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             break
     progress.close()
     preemption.close()
-    best = {"metric": trainer.monitor, "value": state.best_metric, "step": state.best_step}
-    telemetry.summary(run_dir, stop_reason or FINISHED, state.step, accelerator.num_processes,
-                      trainer.mixed_precision, evaluate.last, best, progress.loss)
+    telemetry.summary(run_dir, stop_reason or FINISHED, state, evaluate.last, progress.loss)
     if stop_reason == PREEMPTED:  # resumed later from the checkpoint just saved
         stop_preempted(accelerator, preemption, run_dir)
 

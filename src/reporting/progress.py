@@ -7,22 +7,27 @@ import time
 from datetime import timedelta
 from typing import Optional
 
+from accelerate import Accelerator
 from tqdm import tqdm
 
 log = logging.getLogger("progress")
 
 
 class Progress:
-    def __init__(self, total: int, initial: int, enabled: bool, interval_s: float):
+    def __init__(self, accelerator: Accelerator, total: int, initial: int, interval_s: float):
+        self.accelerator = accelerator
         self.total, self.step, self.first = total, initial, initial
-        self.enabled, self.interval_s = enabled, interval_s
-        self.bar = tqdm(total=total, initial=initial) if enabled and sys.stderr.isatty() else None
+        self.enabled, self.interval_s = accelerator.is_main_process, interval_s
+        self.bar = tqdm(total=total, initial=initial) if self.enabled and sys.stderr.isatty() else None
         self.started = self.last_line = time.monotonic()
         self.loss: Optional[float] = None  # the last logged
         self.tokens_per_second: Optional[float] = None
 
-    def update(self, step: int, logged: dict[str, float]) -> None:
-        """`logged`: the step's logged scalars ({} for a step that logs nothing)."""
+    def report(self, step: int, logged: dict[str, float]) -> None:
+        """A step finished: its scalars to the trackers (`logged`: {} for a step that logs nothing), then the bar
+        or the line."""
+        if logged:
+            self.accelerator.log(logged, step=step)
         loss, tokens_per_second = logged.get("train/loss"), logged.get("train/tokens_per_second")
         self.step = step
         self.loss = loss if loss is not None else self.loss

@@ -131,13 +131,14 @@ class GpuMonitor:
 
 
 class Telemetry:
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, samples_per_step: int,
-                 precision: str, peak_tflops_override: Optional[float], process_started: float,
-                 profile: Optional[list[int]] = None, run_dir: Optional[Path] = None):
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, samples_per_step: int, trainer: Any,
+                 run_dir: Path):
+        """`trainer`: the run's TrainerConfig (its mixed_precision, peak_tflops, profile and monitor)."""
         self.accelerator = accelerator
+        self.precision, self.monitor = trainer.mixed_precision, trainer.monitor
         self.profiler = None
-        if profile and accelerator.is_main_process:  # one trace, rank 0's: only rank 0 writes files
-            wait, warmup, active = profile
+        if trainer.profile and accelerator.is_main_process:  # one trace, rank 0's: only rank 0 writes files
+            wait, warmup, active = trainer.profile
             self.profiler = torch.profiler.profile(
                 schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
                 on_trace_ready=torch.profiler.tensorboard_trace_handler(str(run_dir / "profile")),
@@ -146,10 +147,10 @@ class Telemetry:
             )
         self.samples_per_step = samples_per_step  # global: batch x processes x accumulation
         self.flops_per_token = flops_per_token(model)
-        peak = peak_tflops(accelerator.device, precision, peak_tflops_override)
+        peak = peak_tflops(accelerator.device, self.precision, trainer.peak_tflops)
         self.peak_flops = peak * 1e12 * accelerator.num_processes if peak else None
         self.gpus = GpuMonitor(accelerator.device, accelerator.is_main_process)
-        self.process_started = process_started
+        self.process_started = process_start_time()
         self.phases: dict[str, float] = defaultdict(float)  # seconds per phase, over the whole run
         self.loop_started: Optional[float] = None
         self._reset_interval()
@@ -233,9 +234,10 @@ class Telemetry:
             out["memory/cuda_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         return out
 
-    def summary(self, run_dir: Path, stopped: str, steps: int, processes: int, precision: str,
-                final_metrics: dict[str, float], best: dict[str, Any], final_loss: Optional[float]) -> dict:
-        """summary.json in the run dir and a printed table (main process); every rank calls it."""
+    def summary(self, run_dir: Path, stopped: str, state: Any, final_metrics: dict[str, float],
+                final_loss: Optional[float]) -> dict:
+        """summary.json in the run dir and a printed table (main process); every rank calls it. `state`: the
+        run's TrainState (its step and best trainer.monitor value)."""
         if self.profiler is not None:
             self.profiler.stop()  # writes the trace if the run ended inside the active steps
             self.profiler = None
@@ -247,9 +249,9 @@ class Telemetry:
         peak_rss = self.accelerator.gather(torch.tensor([peak_rss_gib()], device=self.accelerator.device)).tolist()
         summary = {
             "stopped": stopped,
-            "steps": steps,
-            "processes": processes,
-            "mixed_precision": precision,
+            "steps": state.step,
+            "processes": self.accelerator.num_processes,
+            "mixed_precision": self.precision,
             "wall_time_s": wall,
             "time_s": {"start-up": self.phases["start-up"], "training": training,
                        "of which evaluation": self.phases["evaluation"],
@@ -263,7 +265,7 @@ class Telemetry:
                                    if self.accelerator.device.type == "cuda" else {})},
             "final_train_loss": final_loss,
             "final_metrics": final_metrics,
-            "best": best,
+            "best": {"metric": self.monitor, "value": state.best_metric, "step": state.best_step},
         }
         if self.accelerator.is_main_process:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
