@@ -80,6 +80,8 @@ class Checkpointer:
         self.commit_failed: Optional[tuple[Exception, Path]] = None
         self.writing: list = []  # this rank's sharded writes in flight (FSDP): torch.distributed.checkpoint futures
         self.sharded_groups: list = []  # their process groups, one per state saved, made at the first such save
+        self.stagers: list = []  # and the stagers copying each state's shards to host memory in the background
+        self.staging: list = []  # futures of the copies in flight: the next optimizer step waits for them
 
     @classmethod
     def for_run(cls, run, model: torch.nn.Module, ema, progress: Callable[[str], None]) -> "Checkpointer":
@@ -148,6 +150,7 @@ class Checkpointer:
         if self.committing is not None:
             self.committing.join()
             self.committing = None
+        self._wait_for_staging()
         for write in self.writing:
             try:
                 write.result()
@@ -211,20 +214,33 @@ class Checkpointer:
     @contextlib.contextmanager
     def _sharded_saves_in_background(self):
         """Within it, accelerate's torch.distributed.checkpoint.save calls are async_save calls, each on a process
-        group of its own: each is written by a thread of its own, whose collectives must interleave neither with
-        the loop's nor with the other state's (the weights and the optimizer state write at once). Yields the list
-        their futures go to, kept until the next wait(). accelerate lays out the files as ever."""
+        group of its own: each is staged (its shards copied to host memory) and written by threads of its own,
+        whose collectives must interleave neither with the loop's nor with the other state's (the weights and the
+        optimizer state write at once). The loop goes on meanwhile: the next forward and backward only read the
+        shards, and the next optimizer step, the first to change them, waits for the copies (a step pre-hook, as
+        torchtitan waits for its staging). Yields the list the writes' futures go to, kept until the next
+        wait(). accelerate lays out the files as ever."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         save, writing = dcp.save, []
+        if not self.sharded_groups:  # the first such save: from now on every optimizer step waits for its copies
+            for optimizer in self.accelerator._optimizers:  # what save_state saves (accelerate keeps no public list)
+                optimizer.optimizer.register_step_pre_hook(lambda *_: self._wait_for_staging())
 
         def save_in_background(state_dict, **options) -> None:
             options.pop("process_group", None)
             if len(self.sharded_groups) == len(writing):  # every rank saves the same states in the same order
                 self.sharded_groups.append(dist.new_group(backend="gloo"))
-            response = dcp.async_save(state_dict, process_group=self.sharded_groups[len(writing)], **options)
-            writing.append(getattr(response, "upload_completion", response))
+                on_gpu = torch.cuda.is_available()  # pinned host memory and non-blocking copies only from a GPU
+                self.stagers.append(DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                                                                 use_async_staging=True,
+                                                                 use_non_blocking_copy=on_gpu)))
+            response = dcp.async_save(state_dict, process_group=self.sharded_groups[len(writing)],
+                                      async_stager=self.stagers[len(writing)], **options)
+            self.staging.append(response.staging_completion)
+            writing.append(response.upload_completion)
 
         dcp.save = save_in_background
         try:
@@ -232,6 +248,14 @@ class Checkpointer:
         finally:
             dcp.save = save
             self.writing = writing
+
+    def _wait_for_staging(self) -> None:
+        """Until every shard of the saves in flight is copied to host memory (a failed copy is reported by the
+        write that follows it, in wait())."""
+        for copied in self.staging:
+            with contextlib.suppress(Exception):
+                copied.result()
+        self.staging = []
 
     def _snapshot(self, tmp: Path, state: TrainState) -> Optional[Callable[[], None]]:
         """What accelerate's save_state writes, taken now: each rank writes its random state at once (it is
