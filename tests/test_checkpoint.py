@@ -317,3 +317,35 @@ def test_sharded_checkpoint_directories_are_fsynced_and_accepted_and_a_truncated
     with pytest.raises(Exception) as error:
         check_readable(intact)
     named(str(error.value), "pytorch_model_fsdp_0/.metadata")
+
+
+def test_the_optimizer_step_after_a_background_sharded_save_waits_for_the_copy_of_the_shards():
+    """Under FSDP a background save copies the shards to host memory while the next forward and backward run
+    (they only read them); the step that changes them must wait for the copy, or the checkpoint would hold some of
+    the next step's values. In-process: the hook the checkpointer registers, on a plain optimizer."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from src.checkpointing.checkpointer import Checkpointer
+
+    weight = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    checkpointer = Checkpointer.__new__(Checkpointer)  # only what a background sharded save reads
+    checkpointer.accelerator = SimpleNamespace(_optimizers=[SimpleNamespace(optimizer=optimizer)])
+    checkpointer.sharded_groups, checkpointer.stagers, checkpointer.staging = [], [], []
+    with checkpointer._sharded_saves_in_background():
+        pass  # the run's first one: from here on every step waits for the copies in flight
+    waited_on = []  # the weights as they were when the step waited for the copy
+
+    class Copy(Future):
+        def result(self, timeout=None):
+            waited_on.append(weight.detach().clone())
+            return super().result(timeout)
+
+    copy = Copy()
+    copy.set_result(None)
+    checkpointer.staging.append(copy)
+    weight.grad = torch.ones(4)
+    optimizer.step()
+    assert len(waited_on) == 1 and torch.equal(waited_on[0], torch.ones(4))  # before the step changed them
+    assert torch.equal(weight.detach(), torch.zeros(4)) and checkpointer.staging == []
