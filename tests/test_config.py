@@ -41,6 +41,7 @@ PARTNERS = {
     "data=cifar10": ["model=resnet"],
     "data=jsonl": ["objective=causal_lm"],
     "data=hf_dataset": ["objective=causal_lm", "data.path=corpus.parquet"],
+    "data=mixture": ["objective=causal_lm", "data.sources=[{path: a.parquet, weight: 1}]"],
     "experiment=owt_tokens": ["data.path=train.bin"],
 }
 

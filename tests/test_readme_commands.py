@@ -96,7 +96,8 @@ NOT_RUN = {
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/RUN/model data=jsonl objective=causal_lm":
         "tests/test_finetune.py fine-tunes one run's export in another",
     "accelerate launch train.py model=hf_causal_lm data=hf_dataset data.path=corpus.parquet "
-    "data.packing=cross_document objective=causal_lm": "needs a dataset of the user's; tests/test_hf_dataset.py trains on Parquet it writes",
+    "data.packing=cross_document objective=causal_lm":
+        "needs a dataset of the user's; tests/test_hf_dataset.py trains on Parquet it writes",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=gpt2 data=hf_dataset data.path=Salesforce/wikitext "
     "data.subset=wikitext-2-raw-v1 data.val_split=validation data.packing=true objective=causal_lm":
         "downloads from the Hugging Face hub (no network here); tests/test_hf_dataset.py reads a dataset's subset "
@@ -113,6 +114,10 @@ NOT_RUN = {
     "data=jsonl data.path=data/shakespeare_dialogues.jsonl data.text_key=messages objective=causal_lm "
     "trainer.max_steps=50 scheduler.warmup_steps=10 hydra.run.dir=outputs/chat":
         "the fine-tuning walkthrough: tests/test_readme_example.py follows it verbatim",
+    "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/tiny_gpt2 model.block_size=256 "
+    "data=mixture 'data.sources=[{path: data/shakespeare_speeches.jsonl, weight: 3}, {path: "
+    "data/shakespeare_dialogues.jsonl, text_column: messages, weight: 1}]' objective=causal_lm trainer.max_steps=30 "
+    "hydra.run.dir=outputs/mixture": "the fine-tuning walkthrough: tests/test_readme_example.py follows it verbatim",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=/models/gpt2 'model.peft={peft_type: LORA, r: 8, "
     "lora_alpha: 16, target_modules: [c_attn]}'": "needs a downloaded model; tests/test_finetune.py trains LoRA on a "
                                                   "small pretrained folder",

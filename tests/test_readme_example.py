@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, copy_of_repo, scalars, shell, tracked_files, user_env
+from tests.conftest import ROOT, copy_of_repo, named, scalars, shell, tracked_files, user_env
 
 DOCS = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 
@@ -99,3 +99,12 @@ def test_readme_fine_tuning_walkthrough_trains_a_lora_adapter_on_a_pretrained_fo
     assert data.train[0]["input_ids"].tolist() == expected["input_ids"]
     assert [label != IGNORE_INDEX for label in data.train[0]["labels"].tolist()] == \
         [bool(m) for m in expected["assistant_masks"]]
+
+    # Then both datasets in one run, three speeches to one dialogue: each source's share is said, and it trains.
+    (_, mixture_command), = blocks("mixture-run")
+    proc = shell(mixture_command.strip(), repo)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    named(proc.stdout, "data.sources[0] data/shakespeare_speeches.jsonl: weight 3",
+          "data.sources[1] data/shakespeare_dialogues.jsonl: weight 1")
+    losses = scalars(repo / "outputs" / "mixture", "train/loss")
+    assert max(losses) == 30 and losses[30] < losses[min(losses)], losses

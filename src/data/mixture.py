@@ -1,0 +1,139 @@
+"""Several datasets in one run, each drawn in proportion to its weight (`data=mixture`, config/data/mixture.yaml):
+
+    accelerate launch train.py model=hf_causal_lm data=mixture objective=causal_lm \
+        'data.sources=[{path: data/shakespeare_speeches.jsonl, weight: 3}, {path: corpus.parquet, weight: 1}]'
+
+Each source is read as `data=hf_dataset` reads one (src/data/hf_dataset.py), with its own keys (path, text_column,
+prompt_column, split, val_split, subset, val_fraction) and the run's shared ones (block_size, tokenizer, packing).
+An epoch of the mixture is `samples_per_epoch` samples (null: as many as the sources hold together), each source's
+share of them as its weight says. Which of a source's samples an epoch takes is a function of (seed, source,
+epoch) alone: each source is walked through seeded permutations of itself, an epoch taking the next share, so a
+source drawn less than its size shows other samples each epoch, and one drawn more repeats only after a whole
+pass. The mixture is then one map-style dataset like any other: shuffled by the run's seeded sampler, resumed
+bitwise, on another number of processes too, and fingerprinted source by source (every source's files). The
+validation split is every source's, whole.
+"""
+
+import bisect
+import functools
+import logging
+from typing import Annotated, Any, Literal, Optional, Union
+
+import numpy as np
+from torch.utils.data import ConcatDataset, Dataset
+
+from src.data.base import DataModule, model_size
+from src.data.tokenizer import REVISION
+from src.errors import UsageError
+from src.schema.signature import Arg
+
+log = logging.getLogger(__name__)
+
+# The keys a source may set; the others are the run's, shared by every source.
+SOURCE_KEYS = ("path", "weight", "text_column", "prompt_column", "split", "val_split", "subset", "val_fraction")
+
+
+class MixedSamples(Dataset):
+    """One epoch of the mixture: `counts[i]` samples of source i, drawn from its seeded permutations."""
+
+    def __init__(self, sources: list[Dataset], counts: list[int], seed: int):
+        self.sources, self.counts, self.seed, self.epoch = sources, counts, seed, 0
+        self.starts = np.cumsum([0, *counts]).tolist()  # where each source's share begins in the epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, index: int) -> Any:
+        source = bisect.bisect_right(self.starts, index) - 1
+        return self.sources[source][self.index_in(source, index - self.starts[source])]
+
+    def index_in(self, source: int, k: int) -> int:
+        """The sample of `source` at place k of its share in this epoch."""
+        size = len(self.sources[source])
+        drawn = self.epoch * self.counts[source] + k  # how far along the source's endless walk
+        return int(_permutation(self.seed, source, drawn // size, size)[drawn % size])
+
+
+@functools.lru_cache(maxsize=64)
+def _permutation(seed: int, source: int, lap: int, size: int) -> np.ndarray:
+    return np.random.default_rng([seed, source, lap]).permutation(size)
+
+
+def shares(weights: list[float], total: int) -> list[int]:
+    """`total` split in proportion to `weights`, whole numbers summing to it (largest remainders)."""
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+class Mixture(DataModule):
+    targets_are_inputs = True
+
+    def __init__(
+        self,
+        sources: Annotated[list, Arg(
+            "the datasets, each a mapping: path (as data=hf_dataset's) and weight (> 0, relative), optionally "
+            "text_column, prompt_column, split, val_split, subset, val_fraction")],
+        block_size: Annotated[int, Arg("tokens per sample: the longest document, or the packed block", ge=2)],
+        samples_per_epoch: Annotated[Optional[int], Arg(
+            "samples an epoch of the mixture draws, in proportion to the weights (null: as many as the sources "
+            "hold together)", ge=1)] = None,
+        seed: Annotated[int, Arg("seed of which samples each source gives each epoch", ge=0)] = 0,
+        tokenizer: Annotated[Optional[str], Arg("byte, a tokenizers JSON file or a from_pretrained folder or hub "
+                                                "id holding one, for every source (null: byte)")] = "byte",
+        tokenizer_revision: Annotated[Optional[str], Arg(REVISION)] = None,
+        packing: Annotated[Union[bool, Literal["cross_document"]], Arg(
+            "as data=hf_dataset's, for every source")] = False,
+        long_documents: Annotated[Literal["truncate", "split"], Arg("as data=hf_dataset's")] = "truncate",
+        mask_boundaries: Annotated[bool, Arg("as data=hf_dataset's")] = False,
+        **loader,
+    ):
+        super().__init__(**loader)
+        from src.data.hf_dataset import HFDataset
+
+        if not sources:
+            raise UsageError("data.sources is empty: give at least one {path: ..., weight: ...}")
+        built, weights = [], []
+        for i, source in enumerate(sources):
+            source = dict(source)
+            unknown = sorted(set(source) - set(SOURCE_KEYS))
+            if unknown or "path" not in source or "weight" not in source:
+                what = f"has no key {unknown[0]!r}" if unknown else "needs a path and a weight"
+                raise UsageError(f"data.sources[{i}] {what}; a source's keys: {', '.join(SOURCE_KEYS)} (path and "
+                                 "weight mandatory; block_size, tokenizer and packing are the run's, data.KEY)")
+            weight = source.pop("weight")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+                raise UsageError(f"data.sources[{i}].weight={weight}: a number above 0 (relative to the others)")
+            try:
+                built.append(HFDataset(block_size=block_size, tokenizer=tokenizer,
+                                       tokenizer_revision=tokenizer_revision, packing=packing,
+                                       long_documents=long_documents, mask_boundaries=mask_boundaries,
+                                       batch_size=self.batch_size, **source))
+            except UsageError as error:  # its keys are data.KEY to it: say which source
+                raise UsageError(f"data.sources[{i}] ({source['path']}): {error}") from None
+            weights.append(float(weight))
+        total = samples_per_epoch or sum(len(b.train) for b in built)
+        counts = shares(weights, total)
+        self.codec, self.collate_fn = built[0].codec, built[0].collate_fn
+        self.attends_per_document = built[0].attends_per_document
+        self.train = MixedSamples([b.train for b in built], counts, seed)
+        self.val = ConcatDataset([b.val for b in built])
+        self.source_files = {f"source {i} {name}": path for i, b in enumerate(built)
+                             for name, path in b.source_files.items()}
+        from accelerate import PartialState
+
+        for i, (source, count) in enumerate(zip(built, counts) if PartialState().is_main_process else []):
+            tokens = sum(len(source.train[j]["input_ids"]) for j in range(min(len(source.train), 1000)))
+            per_sample = tokens / max(1, min(len(source.train), 1000))
+            log.info("data.sources[%d] %s: weight %g, %d of an epoch's %d samples (%.1f%%; it holds %d), about "
+                     "%d tokens", i, sources[i]["path"], weights[i], count, total, 100 * count / total,
+                     len(source.train), count * per_sample)
+
+    @model_size
+    def vocab_size(self) -> int:
+        return self.codec.vocab_size
