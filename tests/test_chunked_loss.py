@@ -2,6 +2,8 @@
 and so do its gradients, for the template's GPT and transformers models (with LoRA too); a model that changes its
 logits after the output layer is refused. Under DDP and FSDP2 (real launches): the same training."""
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -32,11 +34,13 @@ def assert_same_training(model, plain, chunked, inputs, targets, compile=False):
     torch.testing.assert_close(model.lm_head(hidden), hidden @ model.lm_head.weight.T)
 
 
-def tiny_llama(**config):
+def tiny_llama(attention: Optional[str] = None, **config):
+    """`attention`: transformers' attn_implementation (None: its choice)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, **config)
-    return transformers.AutoModelForCausalLM.from_config(cfg)
+    return transformers.AutoModelForCausalLM.from_config(cfg, **({"attn_implementation": attention} if attention
+                                                                 else {}))
 
 
 @pytest.mark.parametrize("chunk", [7, 64, 1000])  # uneven, even, one chunk

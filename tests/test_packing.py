@@ -22,8 +22,8 @@ from src.data.packing import (
 from src.errors import UsageError
 from src.models.gpt import GPT
 from tests.conftest import GPU_ENV, ROOT, named
+from tests.test_chunked_loss import VOCAB, tiny_llama
 
-VOCAB = 97
 BLOCK = 32
 
 
@@ -111,13 +111,6 @@ def test_a_packed_batch_has_each_documents_own_losses_in_the_template_gpt():
     assert_packed_losses_are_each_documents_own(model, some_documents(7, longest=20))
 
 
-def tiny_llama(attention: str):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=BLOCK)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
-
-
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_a_packed_batch_has_each_documents_own_losses_in_a_transformers_llama(attention, lora):
@@ -159,7 +152,8 @@ def test_a_model_that_cannot_read_documents_from_positions_is_refused_naming_the
 ON_A_GPU = """
 import sys, torch
 from src.data.packing import attend_per_document
-from tests.test_packing import assert_packed_losses_are_each_documents_own, some_documents, tiny_llama
+from tests.test_chunked_loss import tiny_llama
+from tests.test_packing import assert_packed_losses_are_each_documents_own, some_documents
 torch.manual_seed(0)
 model = tiny_llama(sys.argv[1]).to("cuda", torch.float16)  # flash-attention computes in 16 bits only
 attend_per_document(model)

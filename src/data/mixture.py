@@ -94,6 +94,8 @@ class Mixture(DataModule):
         **loader,
     ):
         super().__init__(**loader)
+        from accelerate import PartialState
+
         from src.data.hf_dataset import HFDataset
 
         if not sources:
@@ -125,8 +127,6 @@ class Mixture(DataModule):
         self.val = ConcatDataset([b.val for b in built])
         self.source_files = {f"source {i} {name}": path for i, b in enumerate(built)
                              for name, path in b.source_files.items()}
-        from accelerate import PartialState
-
         for i, (source, count) in enumerate(zip(built, counts) if PartialState().is_main_process else []):
             tokens = sum(len(source.train[j]["input_ids"]) for j in range(min(len(source.train), 1000)))
             per_sample = tokens / max(1, min(len(source.train), 1000))
