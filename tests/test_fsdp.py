@@ -203,12 +203,16 @@ def test_clipping_the_nonfinite_check_and_the_export_work_on_sharded_tied_weight
 
 
 @pytest.mark.gpu
-def test_fsdp_on_one_gpu_trains_resumes_bitwise_and_exports_a_loadable_tied_model(tmp_path):
+def test_fsdp_on_one_gpu_trains_resumes_bitwise_from_a_background_save_and_exports_a_loadable_tied_model(tmp_path):
+    """The resumed run's checkpoints are written in the background: its shards are staged from the GPU into pinned
+    host memory while the next steps run, so resuming from one proves that copy (the CPU tests stage from host
+    memory)."""
     args = [*TINY_GPT, *QUIET, "scheduler=constant", "trainer.checkpoint_every=4", "trainer.mixed_precision=bf16"]
+    in_background = ["trainer.async_checkpoint=true", f"hydra.run.dir={tmp_path / 'resumed'}"]
     run([*args, "trainer.max_steps=8", f"hydra.run.dir={tmp_path / 'whole'}"], launcher="fsdp", env=GPU_ENV)
-    run([*args, "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'resumed'}"], launcher="fsdp", env=GPU_ENV)
-    run([*args, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={tmp_path / 'resumed'}"], launcher="fsdp",
-        env=GPU_ENV)
+    run([*args, "trainer.max_steps=4", *in_background], launcher="fsdp", env=GPU_ENV)
+    assert "written in the background" in (tmp_path / "resumed" / "train.log").read_text()
+    run([*args, "trainer.max_steps=8", "resume=auto", *in_background], launcher="fsdp", env=GPU_ENV)
     assert scalars(tmp_path / "whole", "train/loss") == scalars(tmp_path / "resumed", "train/loss")
     assert max_abs_diff(exported_weights(tmp_path / "whole"), exported_weights(tmp_path / "resumed")) == 0
     model = load_exported_model(tmp_path / "whole" / "model")

@@ -14,7 +14,9 @@ from src.checkpointing.resume import config_for_resume
 from src.errors import UsageError
 from src.loop.accumulation import accumulation_windows, steps_per_epoch
 from src.loop.early_stopping import EarlyStopping
+from src.loop.step import TrainStep
 from src.loop.train_state import TrainState, improves
+from src.objectives.classification import CrossEntropy
 from src.optim.schedules import constant, warmup_cosine
 from tests.conftest import named
 
@@ -173,3 +175,55 @@ def test_a_checkpoint_older_than_a_trainer_setting_resumes_with_its_default_unle
     with pytest.raises(UsageError) as refused:
         config_for_resume(now, checkpoint, ["trainer.compile_mode=max-autotune-no-cudagraphs"])
     named(str(refused.value), "trainer.compile_mode=max-autotune-no-cudagraphs", "default")
+
+
+
+class InfiniteGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * math.inf
+
+
+class OverflowsOnCalls(torch.nn.Linear):
+    """A linear classifier whose backward overflows (the loss finite) on the forward calls listed, as fp16's can."""
+
+    def __init__(self, calls: set):
+        super().__init__(4, 3)
+        self.calls, self.called = calls, 0
+
+    def forward(self, x):
+        self.called += 1
+        logits = super().forward(x)
+        return InfiniteGradient.apply(logits) if self.called in self.calls else logits
+
+
+def test_a_step_the_fp16_grad_scaler_skips_inside_a_fused_optimizer_does_not_advance_the_schedule(accelerator,
+                                                                                                   tmp_path):
+    """A GradScaler hands its found_inf to a fused optimizer (AdamW's default on CUDA), which skips inside its
+    kernel, unseen by accelerate's optimizer_step_was_skipped. A real GradScaler and fused AdamW on CPU (fp16
+    itself needs a GPU: tests/test_gpu.py runs it whole)."""
+    torch.manual_seed(0)
+    model = OverflowsOnCalls({3, 4, 7})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0, fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: step + 1)  # a new rate at each step
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+    try:
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+        trainer = OmegaConf.create({"compile": False, "compile_mode": "default", "nonfinite": "error",
+                                    "max_consecutive_skips": 0, "max_grad_norm": None})
+        train_step = TrainStep(accelerator, model, optimizer, scheduler, None, CrossEntropy(), trainer, tmp_path)
+        batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+        scales, rates = [accelerator.scaler.get_scale()], [scheduler.get_last_lr()[0]]
+        for step in range(8):
+            train_step([batch], step)
+            scales.append(accelerator.scaler.get_scale())
+            rates.append(scheduler.get_last_lr()[0])
+    finally:
+        accelerator.scaler = None
+    skipped = [step for step in range(1, 9) if scales[step] < scales[step - 1]]
+    assert skipped == [3, 4, 7], scales
+    assert [rates[step] - rates[step - 1] for step in range(1, 9)] == [0 if s in skipped else 1 for s in range(1, 9)]

@@ -86,10 +86,10 @@ def assert_packed_losses_are_each_documents_own(model, documents, tolerance: flo
     model.eval()
     device = next(model.parameters()).device
     blocks = packed_documents(documents, documents, BLOCK, split_long=False)
-    samples = [{k: torch.tensor(blocks[k][b], device=device) for k in ("input_ids", "labels", "position_ids")}
+    samples = [{k: torch.tensor(blocks[k][b]) for k in ("input_ids", "labels", "position_ids")}
                for b in range(len(blocks["input_ids"]))]
     assert len(samples) >= 2 and any(len(s["input_ids"]) < BLOCK for s in samples)  # padding in the batch too
-    batch = pad_packed(samples)
+    batch = {k: v.to(device) for k, v in pad_packed(samples).items()}  # a collate function's batch, moved
     with torch.no_grad():
         packed = token_losses(model, {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]},
                               batch["labels"])
@@ -150,10 +150,12 @@ def test_a_model_that_cannot_read_documents_from_positions_is_refused_naming_the
 
 
 ON_A_GPU = """
-import sys, torch
+import os, sys, torch
+gpus = os.environ["CUDA_VISIBLE_DEVICES"]
 from src.data.packing import attend_per_document
 from tests.test_chunked_loss import tiny_llama
 from tests.test_packing import assert_packed_losses_are_each_documents_own, some_documents
+os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # tests.conftest, imported above, hid them; CUDA starts only below
 torch.manual_seed(0)
 model = tiny_llama(sys.argv[1]).to("cuda", torch.float16)  # flash-attention computes in 16 bits only
 attend_per_document(model)

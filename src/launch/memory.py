@@ -70,7 +70,8 @@ def memory_per_rank(device: torch.device) -> tuple[Optional[int], str]:
     """The memory one rank has and what it is: its GPU's, or the host's available memory shared by the ranks
     of this machine; (None, why) where it cannot be told."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
+        index = torch.cuda.current_device() if device.index is None else device.index  # one GPU's device: "cuda"
+        return torch.cuda.get_device_properties(index).total_memory, f"cuda:{index}'s memory"
     try:
         with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)

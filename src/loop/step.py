@@ -38,6 +38,7 @@ class TrainStep:
         self.guard = NonFiniteGuard(accelerator, optimizer, scheduler, ema, trainer.nonfinite,
                                     trainer.max_consecutive_skips, run_dir)
         self.max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
+        self.scale = None  # fp16: the GradScaler's scale after the last step (read at the first)
 
     def __call__(self, window: list, step: int) -> StepResult:
         """Optimizer step `step` + 1 over `window`, a list of gradient_accumulation_steps micro-batches."""
@@ -45,6 +46,8 @@ class TrainStep:
         window = [split_batch(batch, self.objective.target_key) for batch in window]  # (inputs, targets) pairs
         targets = global_target_count(accelerator, self.objective, [t for _, t in window])
         loss_sum, applied = 0.0, True
+        if accelerator.scaler is not None and self.scale is None:
+            self.scale = accelerator.scaler.get_scale()  # fp16: the scale the first step starts from
         for inputs, micro_targets in window:
             if step == 0:
                 self.objective.check_batch(inputs, micro_targets)
@@ -58,11 +61,22 @@ class TrainStep:
                 if applied:
                     optimizer.step()  # a no-op until the accumulation window is complete
                 optimizer.zero_grad(set_to_none=True)
-        if applied and not accelerator.optimizer_step_was_skipped:  # nor by fp16's GradScaler
+        if applied and not self._scaler_skipped():
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.update_parameters(accelerator.unwrap_model(model))
         return StepResult(loss_sum, targets, grad_norm, applied)
+
+    def _scaler_skipped(self) -> bool:
+        """fp16: whether the GradScaler skipped the step just taken (its gradients overflowed). Not accelerate's
+        optimizer_step_was_skipped, which misses every skip of a fused optimizer (AdamW's default on CUDA): the
+        scaler then hands its found_inf to the optimizer's kernel, which skips inside. The scale falls exactly
+        when the scaler skips (one host read per step, as GradScaler's unfused step makes itself)."""
+        scaler = self.accelerator.scaler
+        if scaler is None:
+            return False
+        before, self.scale = self.scale, scaler.get_scale()
+        return self.scale < before
 
     def settle(self) -> None:
         """The host learns what the device decided since the last settle: stops at a non-finite step before
