@@ -31,6 +31,7 @@ from src.launch.shutdown import outlive_main, run_then_release, shut_down, stop_
 from src.launch.slurm_sweep import in_submitit_slurm_job, launch_this_node
 from src.loop.accumulation import accumulation_windows
 from src.loop.ema import build_ema
+from src.loop.eval_tasks import EvalTasks
 from src.loop.evaluation import Evaluation
 from src.loop.sampling import Sampler
 from src.loop.step import TrainStep
@@ -82,9 +83,11 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     # whether to stop, let the checkpointer save.
     train_step = TrainStep(accelerator, model, optimizer, scheduler, ema, run.objective, trainer, run_dir)
     telemetry = Telemetry(accelerator, model, state.global_batch, trainer, run_dir)
-    evaluate = Evaluation(accelerator, model, ema, val_loader, train_step.forward, trainer, telemetry,
+    block_size = cfg.model.get("block_size")
+    tasks = EvalTasks(accelerator, model, run.data.codec, trainer, block_size, hang_watch.alive)  # downstream
+    evaluate = Evaluation(accelerator, model, ema, val_loader, train_step.forward, trainer, telemetry, tasks,
                           hang_watch.alive)
-    sampler = Sampler(accelerator, trainer, run.data.codec, model, cfg.model.get("block_size") or 0, hang_watch.alive)
+    sampler = Sampler(accelerator, trainer, run.data.codec, model, block_size or 0, hang_watch.alive)
     preemption = PreemptionWatch(accelerator.num_processes)  # SIGTERM, SIGUSR1/2, Ctrl-C: save, then stop
     stop = StopDecision(trainer, preemption)
     progress = Progress(accelerator, trainer.max_steps, state.step, trainer.progress_interval_s)

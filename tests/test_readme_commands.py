@@ -55,6 +55,10 @@ RUN = [
     ("accelerate launch train.py trainer.sample_every=500 'trainer.sample_prompts=[ROMEO:,JULIET:]'",
      {"sample_every=500": "sample_every=2"}, [*TINY, *STEPS, "trainer.sample_tokens=10"]),
     ("python sample.py outputs/RUN/model --prompt \"ROMEO:\" --num-samples 3", {"RUN": "my_run"}, []),
+    ("accelerate launch train.py 'trainer.eval_tasks=[data/eval_tasks/shakespeare_cloze.yaml,"
+     "data/eval_tasks/shakespeare_perplexity.yaml]' trainer.eval_tasks_every=500 "
+     "trainer.monitor=eval_tasks/shakespeare_cloze/acc trainer.monitor_mode=max",
+     {"eval_tasks_every=500": "eval_tasks_every=1"}, [*TINY, *STEPS, "trainer.eval_tasks_limit=8"]),
     ("python train.py -m optimizer.lr=1e-3,3e-4 model.n_layer=4,6 trainer.max_steps=500",
      {"trainer.max_steps=500": "trainer.max_steps=2"}, [*TINY, "trainer.eval_batches=1"]),
     ("python train.py -m hparams_search=optuna hydra.sweeper.n_trials=20 trainer.max_steps=500",

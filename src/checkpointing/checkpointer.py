@@ -136,7 +136,7 @@ class Checkpointer:
 
     def _improved(self, metrics: dict[str, float], state: TrainState) -> bool:
         """Whether `metrics` beat the best monitored value so far; if so, `state` records it."""
-        if self.monitor is None:
+        if self.monitor is None or self.monitor not in metrics:  # an evaluation without it (eval_tasks' steps)
             return False
         value = metrics[self.monitor]
         if not improves(value, state.best_metric, self.mode):  # a NaN or infinite metric is never the best

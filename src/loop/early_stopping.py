@@ -23,7 +23,7 @@ class EarlyStopping:
 
         Every rank decides the same without a collective: evaluate() returns the same metrics on every rank
         (they are reduced over all of them), as the best-checkpoint choice already relies on."""
-        if self.patience is None or metrics is None:
+        if self.patience is None or metrics is None or self.monitor not in metrics:  # e.g. not a tasks' step
             return False
         value = metrics[self.monitor]
         if improves(value, state.early_stopping_best, self.mode, self.min_delta):

@@ -57,26 +57,36 @@ def evaluate_run(model: torch.nn.Module, ema, loader, accelerator: Accelerator, 
 
 class Evaluation:
     """The run's evaluations: at every trainer.eval_every-th step and the last, and with trainer.eval_on_start
-    one before the first step (logged at step 0: where the curves start, a pretrained model's baseline). Their
-    time is not step time (telemetry's "evaluation" phase)."""
+    one before the first step (logged at step 0: where the curves start, a pretrained model's baseline); with
+    trainer.eval_tasks, the downstream tasks' scores at their own steps (src/loop/eval_tasks.py) join the
+    metrics of the step. Their time is not step time (telemetry's "evaluation" phase)."""
 
     def __init__(self, accelerator: Accelerator, model: torch.nn.Module, ema, loader, forward: Forward, trainer,
-                 telemetry, progress: Callable[[str], None] = lambda doing: None):
+                 telemetry, tasks, progress: Callable[[str], None] = lambda doing: None):
         self.accelerator, self.model, self.ema, self.loader, self.forward = accelerator, model, ema, loader, forward
         self.every, self.max_steps, self.on_start_too = trainer.eval_every, trainer.max_steps, trainer.eval_on_start
+        self.tasks = tasks  # EvalTasks: due at their own steps
         self.telemetry, self.progress = telemetry, progress  # progress: the hang watch hears of every batch
-        self.last: dict[str, float] = {}  # the newest evaluation's metrics (the run's summary)
+        self.last: dict[str, float] = {}  # the newest value of each metric (the run's summary)
 
     def due(self, step: int) -> bool:
+        return self._validation_due(step) or self.tasks.due(step)
+
+    def _validation_due(self, step: int) -> bool:
         return step >= self.max_steps or bool(self.every and step % self.every == 0)
 
     def before_training(self, step: int) -> None:
         """trainer.eval_on_start's evaluation, on a fresh run only."""
         if self.on_start_too and step == 0:
-            self(0)
+            self(0, on_start=True)
 
-    def __call__(self, step: int) -> dict[str, float]:
+    def __call__(self, step: int, on_start: bool = False) -> dict[str, float]:
+        metrics = {}
         with self.telemetry.phase("evaluation"):
-            self.last = evaluate_run(self.model, self.ema, self.loader, self.accelerator, self.forward, step,
-                                     self.progress)
-        return self.last
+            if on_start or self._validation_due(step):
+                metrics.update(evaluate_run(self.model, self.ema, self.loader, self.accelerator, self.forward, step,
+                                            self.progress))
+            if self.tasks.tasks and (on_start or self.tasks.due(step)):
+                metrics.update(self.tasks(step))
+        self.last.update(metrics)
+        return metrics

@@ -111,7 +111,8 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
     problems, trainer = [], cfg.trainer
     objective_cls = locate(cfg.objective._target_)
     metrics = [f"eval/{name}" for name in getattr(objective_cls, "metric_names", ("loss",))]
-    if trainer.monitor is not None and trainer.monitor not in metrics:
+    scored_by_tasks = bool(trainer.eval_tasks) and str(trainer.monitor).startswith("eval_tasks/")  # checked there
+    if trainer.monitor is not None and trainer.monitor not in metrics and not scored_by_tasks:
         problems.append(f"trainer.monitor={trainer.monitor} is not a metric objective={chosen_option(cfg, 'objective')} "
                         f"({cfg.objective._target_}) reports: choose one of {', '.join(metrics)}, or null")
     data_cls = locate(cfg.data._target_)
@@ -125,8 +126,9 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
     if trainer.early_stopping_patience is not None:
         if trainer.monitor is None:
             problems.append("trainer.early_stopping_patience needs trainer.monitor (the metric to watch), not null")
-        if trainer.eval_every == 0:
-            problems.append("trainer.early_stopping_patience needs trainer.eval_every > 0: with 0 the run evaluates "
+        every = "eval_tasks_every" if scored_by_tasks else "eval_every"
+        if trainer[every] == 0:
+            problems.append(f"trainer.early_stopping_patience needs trainer.{every} > 0: with 0 the run evaluates "
                             "only at its end, so nothing could stop it early")
     if trainer.compile_mode != "default" and not trainer.compile:
         problems.append(f"trainer.compile_mode={trainer.compile_mode} needs trainer.compile=true: without it nothing "

@@ -71,6 +71,16 @@ class TrainerConfig:
         "stop after this many evaluations in a row without improving trainer.monitor (null: never)", ge=1)] = None
     early_stopping_min_delta: Annotated[float, Arg(
         "an improvement smaller than this does not count, for early stopping", ge=0)] = 0.0
+    eval_tasks: Annotated[tuple[str, ...], Arg(
+        "lm-evaluation-harness tasks scored on the live model during training, logged as "
+        "eval_tasks/<task>/<metric> (trainer.monitor may name one): a task's YAML file over local data, offline "
+        "(data/eval_tasks/shakespeare_cloze.yaml), or a task name the harness knows; needs pip install "
+        "lm_eval (requirements-extras.txt)")] = ()
+    eval_tasks_every: Annotated[int, Arg("optimizer steps between scorings of eval_tasks (0: only at the end)",
+                                         ge=0)] = 0
+    eval_tasks_limit: Annotated[Optional[int], Arg("score the first N documents of each task only (null: all)",
+                                                   ge=1)] = None
+    eval_tasks_batch_size: Annotated[int, Arg("sequences per forward pass when scoring eval_tasks", ge=1)] = 32
     sample_every: Annotated[int, Arg(
         "language models on text: optimizer steps between sampled continuations of sample_prompts, written to "
         "the log and TensorBoard's text tab (0: never)", ge=0)] = 0
