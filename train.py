@@ -83,11 +83,10 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     # whether to stop, let the checkpointer save.
     train_step = TrainStep(accelerator, model, optimizer, scheduler, ema, run.objective, trainer, run_dir)
     telemetry = Telemetry(accelerator, model, state.global_batch, trainer, run_dir)
-    block_size = cfg.model.get("block_size")
-    tasks = EvalTasks(accelerator, model, run.data.codec, trainer, block_size, hang_watch.alive)  # downstream
+    tasks = EvalTasks(accelerator, model, run.data.codec, trainer, cfg.model.get("block_size"), hang_watch.alive)
     evaluate = Evaluation(accelerator, model, ema, val_loader, train_step.forward, trainer, telemetry, tasks,
                           hang_watch.alive)
-    sampler = Sampler(accelerator, trainer, run.data.codec, model, block_size or 0, hang_watch.alive)
+    sampler = Sampler(accelerator, trainer, run.data.codec, model, cfg.model.get("block_size") or 0, hang_watch.alive)
     preemption = PreemptionWatch(accelerator.num_processes)  # SIGTERM, SIGUSR1/2, Ctrl-C: save, then stop
     stop = StopDecision(trainer, preemption)
     progress = Progress(accelerator, trainer.max_steps, state.step, trainer.progress_interval_s)
@@ -118,7 +117,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             break
     progress.close()
     preemption.close()
-    telemetry.summary(run_dir, stop_reason or FINISHED, state, evaluate.last, progress.loss)
+    telemetry.summary(run_dir, stop_reason or FINISHED, state, evaluate.last, progress.loss,
+                      run.data.consumed(train_loader, state, run.epoch_steps * state.global_batch))
     if stop_reason == PREEMPTED:  # resumed later from the checkpoint just saved
         stop_preempted(accelerator, preemption, run_dir)
 

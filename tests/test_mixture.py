@@ -77,6 +77,36 @@ def test_a_mixture_reads_each_source_with_its_own_keys_and_fingerprints_every_so
     assert files == ["file source 0 speeches.parquet", "file source 1 lines.jsonl"]
 
 
+def test_the_summary_counts_the_tokens_each_source_gave_the_batches_the_run_took(two_sources):
+    """Replayed from the seeded sampler's order, across an epoch boundary: the tokens of the batches themselves
+    (source 1's samples are the ones starting 'line '; padding is byte 0, which no text holds)."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.state import AcceleratorState, GradientState
+
+    from src.data.mixture import Mixture
+    from src.loop.accumulation import accumulation_windows, steps_per_epoch
+    from src.loop.train_state import TrainState
+
+    data = Mixture(sources=two_sources, block_size=32, batch_size=4, samples_per_epoch=40)
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    try:
+        loader = accelerator.prepare(data.train_dataloader())
+        state = TrainState(batch_size=4, num_processes=1, gradient_accumulation_steps=2)
+        epoch_steps = steps_per_epoch(loader.dataset, 8, "layout")  # 5 steps of 8 samples
+        seen = [0, 0]
+        for window in accumulation_windows(accelerator, loader, state, 7, 2, epoch_steps):
+            state.step += 1
+            for row in torch.cat([batch["input_ids"] for batch in window]):
+                seen[bytes(row[:5].tolist()) == b"line "] += int((row != 0).sum())
+        assert (state.epoch, state.samples_into_epoch) == (1, 16) and seen[0] and seen[1]
+        counted = data.consumed(loader, state, epoch_steps * 8)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert list(counted.values()) == seen
+    assert list(counted) == [f"tokens from data.sources[{i}] ({source['path']})" for i, source in enumerate(two_sources)]
+
+
 @pytest.mark.parametrize("change, names", [
     ({"colum": "body"}, ["data.sources[1]", "'colum'", "text_column"]),
     ({"weight": 0}, ["data.sources[1].weight=0", "above 0"]),

@@ -149,6 +149,11 @@ class DataModule:
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.provides()}
 
+    def consumed(self, loader, state, epoch_samples: int) -> dict[str, int]:
+        """What the run's summary states of the training data the run consumed up to `state` (`epoch_samples`
+        per whole epoch), e.g. a mixture's tokens per source; nothing here."""
+        return {}
+
     def fingerprint(self) -> dict[str, Any]:
         """What a checkpoint records of the data it trained on, so that a resume notices other data: the source
         files (size and content, file_digest), the sample counts, the sizes the model depends on, and a hash of

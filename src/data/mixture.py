@@ -50,6 +50,15 @@ class MixedSamples(Dataset):
         source = bisect.bisect_right(self.starts, index) - 1
         return self.sources[source][self.index_in(source, index - self.starts[source])]
 
+    def tokens_by_source(self, indices: np.ndarray, lengths: list[np.ndarray]) -> np.ndarray:
+        """The tokens of the samples at `indices` of this epoch, summed per source (`lengths[i]`: the length of
+        each sample of source i)."""
+        tokens = np.zeros(len(self.sources), dtype=np.int64)
+        for index in indices.tolist():
+            source = bisect.bisect_right(self.starts, index) - 1
+            tokens[source] += lengths[source][self.index_in(source, index - self.starts[source])]
+        return tokens
+
     def index_in(self, source: int, k: int) -> int:
         """The sample of `source` at place k of its share in this epoch."""
         size = len(self.sources[source])
@@ -124,6 +133,7 @@ class Mixture(DataModule):
         self.codec, self.collate_fn = built[0].codec, built[0].collate_fn
         self.attends_per_document = built[0].attends_per_document
         self.train = MixedSamples([b.train for b in built], counts, seed)
+        self.paths = [str(source["path"]) for source in sources]
         self.val = ConcatDataset([b.val for b in built])
         self.source_files = {f"source {i} {name}": path for i, b in enumerate(built)
                              for name, path in b.source_files.items()}
@@ -133,6 +143,27 @@ class Mixture(DataModule):
             log.info("data.sources[%d] %s: weight %g, %d of an epoch's %d samples (%.1f%%; it holds %d), about "
                      "%d tokens", i, sources[i]["path"], weights[i], count, total, 100 * count / total,
                      len(source.train), count * per_sample)
+
+    def consumed(self, loader, state, epoch_samples: int) -> dict[str, int]:
+        """The tokens each source gave the run: every epoch's samples so far, replayed in the order the run's
+        seeded sampler drew them (the same on every rank; the ranks took that order's batches in turn)."""
+        from accelerate.data_loader import get_sampler
+
+        sampler = get_sampler(loader)
+        if loader.dataset is not self.train or not hasattr(sampler, "set_epoch"):
+            return {}  # e.g. trainer.limit_train_batches: a subset of the mixture
+        lengths = [np.array([len(source[j]["input_ids"]) for j in range(len(source))]) for source in self.train.sources]
+        tokens = np.zeros(len(lengths), dtype=np.int64)
+        epoch_before, sampler_epoch_before = self.train.epoch, sampler.epoch
+        for epoch in range(state.epoch + 1):
+            sampler.set_epoch(epoch)
+            self.train.set_epoch(epoch)
+            order = np.fromiter(iter(sampler), dtype=np.int64)
+            tokens += self.train.tokens_by_source(order[: epoch_samples if epoch < state.epoch
+                                                        else state.samples_into_epoch], lengths)
+        sampler.set_epoch(sampler_epoch_before)
+        self.train.set_epoch(epoch_before)
+        return {f"tokens from data.sources[{i}] ({path})": int(n) for i, (path, n) in enumerate(zip(self.paths, tokens))}
 
     @model_size
     def vocab_size(self) -> int:

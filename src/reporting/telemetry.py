@@ -235,9 +235,10 @@ class Telemetry:
         return out
 
     def summary(self, run_dir: Path, stopped: str, state: Any, final_metrics: dict[str, float],
-                final_loss: Optional[float]) -> dict:
+                final_loss: Optional[float], data: Optional[dict[str, int]] = None) -> dict:
         """summary.json in the run dir and a printed table (main process); every rank calls it. `state`: the
-        run's TrainState (its step and best trainer.monitor value)."""
+        run's TrainState (its step and best trainer.monitor value); `data`: what the data module states of the
+        data consumed (a mixture's tokens per source)."""
         if self.profiler is not None:
             self.profiler.stop()  # writes the trace if the run ended inside the active steps
             self.profiler = None
@@ -265,6 +266,7 @@ class Telemetry:
                                    if self.accelerator.device.type == "cuda" else {})},
             "final_train_loss": final_loss,
             "final_metrics": final_metrics,
+            "data": data or {},
             "best": {"metric": self.monitor, "value": state.best_metric, "step": state.best_step},
         }
         if self.accelerator.is_main_process:
@@ -285,6 +287,7 @@ def summary_table(summary: dict) -> str:
     if summary["final_train_loss"] is not None:
         rows.append(("final train/loss", f"{summary['final_train_loss']:.4f}"))
     rows += [(name, f"{value:.4f}") for name, value in summary["final_metrics"].items()]
+    rows += [(name, f"{value:,}") for name, value in summary.get("data", {}).items()]
     best = summary["best"]
     if best.get("metric"):
         rows.append((f"best {best['metric']}", f"{best['value']:.4f} at step {best['step']}"
