@@ -52,6 +52,17 @@ def test_early_stopping_counts_evaluations_without_improvement_and_a_resumed_sta
     assert not EarlyStopping("eval/loss", "min", None, 0.0).should_stop({"eval/loss": 9.0}, state)  # off
 
 
+def test_early_stopping_on_a_downstream_score_counts_only_the_evaluations_that_scored_it():
+    """trainer.monitor=eval_tasks/...: the validation loss alone (eval_every's steps between the tasks') is not
+    an evaluation of the monitored score."""
+    stopper, state = EarlyStopping("eval_tasks/cloze/acc", "max", patience=2, min_delta=0.0), TrainState()
+    assert not stopper.should_stop({"eval/loss": 1.0, "eval_tasks/cloze/acc": 0.5}, state)
+    for _ in range(3):
+        assert not stopper.should_stop({"eval/loss": 2.0}, state) and state.evals_without_improvement == 0
+    assert not stopper.should_stop({"eval_tasks/cloze/acc": 0.4}, state)
+    assert stopper.should_stop({"eval/loss": 0.5, "eval_tasks/cloze/acc": 0.5}, state)
+
+
 def multipliers(schedule, steps: int) -> list[float]:
     out = []
     for _ in range(steps):
