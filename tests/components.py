@@ -78,16 +78,17 @@ class NaNOnCalls(AlteredOnCalls):
         return logits * float("nan")
 
 
-class _HugeGradient(torch.autograd.Function):
-    """The identity forward; its backward multiplies the gradient by 1e6."""
+class ScaledGradient(torch.autograd.Function):
+    """The identity forward; its backward multiplies the gradient by `factor`."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * 1e6
+        return grad * ctx.factor, None
 
 
 class OverflowOnCalls(AlteredOnCalls):
@@ -99,7 +100,7 @@ class OverflowOnCalls(AlteredOnCalls):
         self.altered_calls = set(overflow_calls)
 
     def alter(self, logits):
-        return _HugeGradient.apply(logits)
+        return ScaledGradient.apply(logits, 1e6)
 
 
 class NaNWhenEvaluating(GPT):

@@ -18,6 +18,7 @@ from src.loop.step import TrainStep
 from src.loop.train_state import TrainState, improves
 from src.objectives.classification import CrossEntropy
 from src.optim.schedules import constant, warmup_cosine
+from tests.components import ScaledGradient
 from tests.conftest import named
 
 
@@ -189,16 +190,6 @@ def test_a_checkpoint_older_than_a_trainer_setting_resumes_with_its_default_unle
 
 
 
-class InfiniteGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * math.inf
-
-
 class OverflowsOnCalls(torch.nn.Linear):
     """A linear classifier whose backward overflows (the loss finite) on the forward calls listed, as fp16's can."""
 
@@ -209,7 +200,7 @@ class OverflowsOnCalls(torch.nn.Linear):
     def forward(self, x):
         self.called += 1
         logits = super().forward(x)
-        return InfiniteGradient.apply(logits) if self.called in self.calls else logits
+        return ScaledGradient.apply(logits, math.inf) if self.called in self.calls else logits
 
 
 def test_a_step_the_fp16_grad_scaler_skips_inside_a_fused_optimizer_does_not_advance_the_schedule(accelerator,
