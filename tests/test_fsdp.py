@@ -186,7 +186,9 @@ def test_a_nonfinite_step_on_sharded_weights_is_skipped_and_holds_the_schedule(t
     ("trainer.ema_decay=0.99", ("trainer.ema_decay", "DistributedType.FSDP", "config/accelerate/multi_gpu.yaml",
                                 "trainer.ema_decay=null")),
     ("trainer.sample_every=2", ("trainer.sample_every", "python sample.py RUN_DIR/model")),
-], ids=["ema", "sampling"])
+    ("trainer.auto_micro_batch=true", ("trainer.auto_micro_batch", "DistributedType.FSDP", "data.batch_size",
+                                       "trainer.gradient_accumulation_steps", "trainer.auto_micro_batch=false")),
+], ids=["ema", "sampling", "auto_micro_batch"])
 def test_what_needs_whole_weights_is_refused_under_fsdp_before_training_naming_the_alternative(
         tmp_path, option, names):
     run_dir = tmp_path / "run"

@@ -18,6 +18,7 @@ from accelerate import Accelerator
 from accelerate.utils import release_memory, send_to_device
 from accelerate.utils.memory import should_reduce_batch_size
 
+from src.errors import UsageError
 from src.loop.batches import call_model, split_batch
 from src.objectives.base import Objective
 
@@ -31,6 +32,11 @@ def is_out_of_memory(exception: BaseException) -> bool:
 def find_micro_batch(accelerator: Accelerator, model: torch.nn.Module, objective: Objective, data,
                      per_process_samples: int) -> int:
     """The largest divisor of per_process_samples whose forward + backward fits on every rank."""
+    if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):  # probed before prepare: a whole copy
+        raise UsageError(f"trainer.auto_micro_batch probes a whole copy of the model on each device, while "
+                         f"{accelerator.distributed_type} shards it: the probe would measure another layout. Give "
+                         "data.batch_size and trainer.gradient_accumulation_steps by hand, with "
+                         "trainer.auto_micro_batch=false")
     candidates = [b for b in range(per_process_samples, 0, -1) if per_process_samples % b == 0]
     saved_state, saved_rng = copy.deepcopy(model.state_dict()), torch.random.get_rng_state()
     saved_cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None

@@ -109,7 +109,8 @@ class TrainerConfig:
         "outputs, and the loop (accumulation, DDP's hooks) has not been verified under them")] = "default"
     auto_micro_batch: Annotated[bool, Arg(
         "use the largest per-process micro-batch that fits, with accumulation making up the rest, so the global "
-        "batch and the loss stay exactly as configured; chosen once, saved, reused on resume")] = False
+        "batch and the loss stay exactly as configured; chosen once, saved, reused on resume; not under FSDP (it "
+        "probes a whole copy)")] = False
     tf32: Annotated[bool, Arg("TF32 tensor cores for fp32 matmuls and convolutions on CUDA (ignored on CPU)")] = True
     ddp_find_unused_parameters: Annotated[bool, Arg(
         "DDP: allow parameters without a gradient in a step (costs a graph traversal per step)")] = False
