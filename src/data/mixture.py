@@ -50,13 +50,16 @@ class MixedSamples(Dataset):
         source = bisect.bisect_right(self.starts, index) - 1
         return self.sources[source][self.index_in(source, index - self.starts[source])]
 
-    def tokens_by_source(self, indices: np.ndarray, lengths: list[np.ndarray]) -> np.ndarray:
-        """The tokens of the samples at `indices` of this epoch, summed per source (`lengths[i]`: the length of
-        each sample of source i)."""
+    def tokens_by_source(self, indices: np.ndarray, lengths: dict[tuple[int, int], int]) -> np.ndarray:
+        """The tokens of the samples at `indices` of this epoch, summed per source. `lengths` remembers each
+        (source, sample) read, so a sample drawn in many epochs is read once."""
         tokens = np.zeros(len(self.sources), dtype=np.int64)
         for index in indices.tolist():
             source = bisect.bisect_right(self.starts, index) - 1
-            tokens[source] += lengths[source][self.index_in(source, index - self.starts[source])]
+            key = (source, self.index_in(source, index - self.starts[source]))
+            if key not in lengths:
+                lengths[key] = len(self.sources[source][key[1]]["input_ids"])
+            tokens[source] += lengths[key]
         return tokens
 
     def index_in(self, source: int, k: int) -> int:
@@ -147,13 +150,16 @@ class Mixture(DataModule):
     def consumed(self, loader, state, epoch_samples: int) -> dict[str, int]:
         """The tokens each source gave the run: every epoch's samples so far, replayed in the order the run's
         seeded sampler drew them (the same on every rank; the ranks took that order's batches in turn)."""
+        from accelerate import PartialState
         from accelerate.data_loader import get_sampler
 
         sampler = get_sampler(loader)
+        if not PartialState().is_main_process:  # the summary is printed and written there alone
+            return {}
         if loader.dataset is not self.train or not hasattr(sampler, "set_epoch"):
             return {}  # e.g. trainer.limit_train_batches: a subset of the mixture
-        lengths = [np.array([len(source[j]["input_ids"]) for j in range(len(source))]) for source in self.train.sources]
-        tokens = np.zeros(len(lengths), dtype=np.int64)
+        lengths: dict[tuple[int, int], int] = {}
+        tokens = np.zeros(len(self.train.sources), dtype=np.int64)
         epoch_before, sampler_epoch_before = self.train.epoch, sampler.epoch
         for epoch in range(state.epoch + 1):
             sampler.set_epoch(epoch)
@@ -163,7 +169,8 @@ class Mixture(DataModule):
                                                         else state.samples_into_epoch], lengths)
         sampler.set_epoch(sampler_epoch_before)
         self.train.set_epoch(epoch_before)
-        return {f"tokens from data.sources[{i}] ({path})": int(n) for i, (path, n) in enumerate(zip(self.paths, tokens))}
+        return {f"tokens from data.sources[{i}] ({path})": int(n)
+                for i, (path, n) in enumerate(zip(self.paths, tokens))}
 
     @model_size
     def vocab_size(self) -> int:

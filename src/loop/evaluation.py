@@ -86,7 +86,7 @@ class Evaluation:
             if on_start or self._validation_due(step):
                 metrics.update(evaluate_run(self.model, self.ema, self.loader, self.accelerator, self.forward, step,
                                             self.progress))
-            if self.tasks.tasks and (on_start or self.tasks.due(step)):
+            if self.tasks.due(step) or on_start and self.tasks.tasks:
                 metrics.update(self.tasks(step))
         self.last.update(metrics)
         return metrics
