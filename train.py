@@ -71,6 +71,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     model, optimizer, train_loader, val_loader, scheduler = accelerator.prepare(
         run.model, optimizer, train_loader, val_loader, scheduler
     )
+    run.read_pretrained_slices(model)  # FSDP's sharded start of a pretrained folder: each rank reads its shard's part
     outlive_main(accelerator, model)  # multi-process: no gloo teardown in a destructor (src/launch/shutdown.py)
     ema = build_ema(accelerator, model, trainer.ema_decay)
     # Reports a rank where nothing progressed for trainer.hang_report_s; long work between steps reports progress.

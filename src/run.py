@@ -37,6 +37,7 @@ from src.loop.auto_batch import find_micro_batch
 from src.loop.sync_batchnorm import sync_batchnorm
 from src.loop.train_state import TrainState
 from src.models.hub import fetch_from_hub
+from src.models.pretrained_slices import PretrainedSlices, load_slices, plan_slices
 from src.objectives.base import Objective
 from src.reporting.log_filters import hide_tied_weight_notices
 from src.schema.build import build
@@ -59,10 +60,17 @@ class Run:
     epoch_steps: Optional[int]  # optimizer steps per epoch; None for a dataset without a length
     data_fingerprint: dict  # what every checkpoint records of the data (DataModule.fingerprint)
     data_changed: bool  # the checkpoint was trained on other data, and trainer.resume_with_changed_data allows it
+    pretrained_slices: Optional[PretrainedSlices]  # FSDP's sharded start of a pretrained folder, read by each rank
 
     @property
     def trainer(self) -> DictConfig:
         return self.cfg.trainer
+
+    def read_pretrained_slices(self, model: torch.nn.Module) -> None:
+        """Into the prepared model: where each rank reads its own slices of model.pretrained, it does so now (a
+        resume's checkpoint holds every weight instead)."""
+        if self.pretrained_slices is not None and self.checkpoint is None:
+            load_slices(self.accelerator, model, self.pretrained_slices)
 
     def train_state(self) -> TrainState:
         """Where a fresh run starts, on this run's layout (a resume then loads the checkpoint's position)."""
@@ -98,9 +106,12 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
                         gradient_accumulation_steps=cfg.trainer.gradient_accumulation_steps)
     epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout)  # whole global batches; epochs -> steps
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
-    with without_values(accelerator):  # FSDP's sharded start: rank 0 alone holds the model whole
+    # FSDP's sharded start: rank 0 alone holds the model whole, or no rank does where each reads its own slices of
+    # a pretrained folder once the model is sharded (`Run.read_pretrained_slices`).
+    slices = plan_slices(accelerator, cfg.model)
+    with without_values(accelerator, read_in_slices=slices is not None):
         model = build(cfg.model, group="model")
-    give_storage(accelerator, model)
+    give_storage(accelerator, model, read_in_slices=slices is not None)
     check_vocabulary_fits(model, data.sizes(), cfg.model)
     if data.attends_per_document:  # data.packing=true
         attend_per_document(model)
@@ -125,7 +136,7 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
         log.info("auto micro-batch: %d samples per process x %d micro-steps", micro_batch, accumulation)
     OmegaConf.set_readonly(cfg, True)
     return Run(cfg, run_dir, checkpoint, launch, accelerator, data, model, objective, epoch_steps, fingerprint,
-               data_changed)
+               data_changed, slices)
 
 
 def check_vocabulary_fits(model: torch.nn.Module, sizes: dict[str, int], model_cfg: DictConfig) -> None:

@@ -17,6 +17,7 @@ from src.checkpointing.export import load_exported_model
 from src.launch.memory import gib
 from tests.conftest import (
     GPU_ENV,
+    PRETRAINED_VOCAB,
     QUIET,
     TINY_GPT,
     banner_row,
@@ -90,6 +91,49 @@ def test_a_sharded_start_builds_the_model_on_rank_0_alone_and_trains_the_weights
         assert exported.lm_head.weight is exported.tok_emb.weight
     assert scalars(whole, "train/loss") == scalars(sharded, "train/loss")
     assert max_abs_diff(exported_weights(whole), exported_weights(sharded)) == 0
+
+
+@pytest.fixture(scope="module")
+def llama_in_several_files(tmp_path_factory, pretrained) -> Path:
+    """An untied Llama saved in several safetensors files (an index names each weight's), with the tiny GPT-2's
+    tokenizer beside it, as a big model on the hub comes."""
+    transformers = pytest.importorskip("transformers")
+    import shutil
+
+    import torch
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=PRETRAINED_VOCAB, max_position_embeddings=64,
+                                      tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("llama") / "llama"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="30KB")
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    for file in pretrained.glob("tokenizer*"):
+        shutil.copy(file, folder)
+    return folder
+
+
+@pytest.mark.parametrize("folder, adapter", [
+    ("pretrained", ["model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}"]),  # tied
+    ("llama_in_several_files", []),
+], ids=["gpt2_tied_with_lora", "llama_in_several_files"])
+def test_a_sharded_start_of_a_pretrained_folder_reads_each_ranks_slices_and_trains_the_weights_of_whole_copies(
+        tmp_path, request, folder, adapter):
+    """No rank reads the folder whole, rank 0 neither: each reads its shard's rows of every weight from the files."""
+    folder = request.getfixturevalue(folder)
+    args = ["model=hf_causal_lm", f"model.pretrained={folder}", "model.block_size=48", "data.batch_size=4", *adapter,
+            "optimizer.lr=3e-2", "scheduler.warmup_steps=1", "trainer.max_steps=3", "trainer.checkpoint_every=0",
+            *QUIET]
+    whole, sliced = tmp_path / "whole", tmp_path / "sliced"
+    *launcher, script = launch_command(FSDP_ON_CPU["script"], 2, "fsdp")
+    whole_copy_per_rank = [*launcher, "--fsdp_cpu_ram_efficient_loading", "false", script]
+    launched = {run_dir: run([*args, f"hydra.run.dir={run_dir}"], command=command)
+                for run_dir, command in ((whole, whole_copy_per_rank), (sliced, [*launcher, script]))}
+    assert "each rank reads its own slices of model.pretrained" in launched[sliced].stdout
+    assert "each rank reads its own slices" not in launched[whole].stdout
+    assert scalars(whole, "train/loss") == scalars(sliced, "train/loss")
+    assert max_abs_diff(exported_weights(whole), exported_weights(sliced)) == 0
 
 
 @pytest.mark.parametrize("writing", [[], ["trainer.async_checkpoint=true"]], ids=["blocking", "in_background"])

@@ -13,6 +13,7 @@ may be another run's export (`outputs/RUN/model`): a run fine-tunes what an earl
 The export of such a model is also a Hugging Face folder: `AutoModelForCausalLM.from_pretrained(run_dir/"model")`.
 """
 
+import contextlib
 import logging
 import sys
 import warnings
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 from src.errors import UsageError
-from src.launch.sharded_start import is_built_without_values
+from src.launch.sharded_start import is_built_without_values, with_values_again
 from src.models.hub import local_path
 from src.schema.signature import Arg
 
@@ -89,7 +90,9 @@ def _with_adapter(model: Any, peft_config: dict) -> Any:
         raise UsageError("model.peft needs peft: pip install -r requirements-extras.txt") from error
     try:
         config = get_peft_config({"task_type": "CAUSAL_LM", **peft_config})
-        with warnings.catch_warnings():  # peft reads an attribute transformers 5 deprecates: not the user's to act on
+        # FSDP's sharded start: the base's values arrive later, the adapter's are made now, as a whole copy makes them
+        values = with_values_again(model) if is_built_without_values() else contextlib.nullcontext()
+        with warnings.catch_warnings(), values:  # peft reads an attribute transformers 5 deprecates: not the user's
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             return get_peft_model(model, config)
     except (KeyError, TypeError, ValueError) as error:
@@ -124,11 +127,14 @@ def _from_pretrained(AutoModelForCausalLM, pretrained: str, revision: Optional[s
         raise UsageError(f"model.pretrained={pretrained}: no config.json in it; a from_pretrained folder holds "
                          f"config.json and its weights (model.safetensors), as save_pretrained writes them")
     try:
-        if is_built_without_values():  # FSDP's sharded start, a rank other than 0: the architecture, no weights
-            from transformers import AutoConfig
+        if is_built_without_values():  # FSDP's sharded start: the architecture, its weights later or from rank 0
+            from transformers import AutoConfig, GenerationConfig
 
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True),
-                                                    **options)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True),
+                                                     **options)
+            if (folder / "generation_config.json").is_file():  # as from_pretrained reads it (sampling uses it)
+                model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+            return model
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **options)
     except (OSError, ValueError) as error:
         raise UsageError(f"model.pretrained={pretrained}: {error}") from error

@@ -1,0 +1,183 @@
+"""A pretrained folder read in slices: FSDP's sharded start without a whole copy on any rank, rank 0 included.
+
+In a sharded start (src/launch/sharded_start.py) rank 0 alone builds the model with its values and sends each rank
+its shard. Where the model is a pretrained folder (`model.pretrained` of model=hf_causal_lm) whose weights are
+safetensors files, rank 0 does not read it whole either: every rank builds the architecture without values, FSDP
+shards it, and each rank then reads from the files only the rows of each weight that its shard holds (safetensors
+reads a slice of a tensor without the rest). No rank holds more than its shard plus one weight's slice, and the
+values are bitwise those `from_pretrained` reads (cast as it casts them).
+
+A LoRA adapter (`model.peft`) is made with its values on every rank, as a whole copy would make it: its
+initialisation draws from the seeded generator and reads no base weight, and accelerate's broadcast of rank 0's
+state carries it into the shards (the base weights it sends are overwritten here).
+
+It applies where every parameter of the architecture is in the files under its own name (or with the model's
+`base_model_prefix` added or removed, as transformers checkpoints come). A folder that needs transformers' renaming
+on load, weights in .bin files, or an adapter initialised from the base weights (PiSSA, LoftQ, DoRA, ...) is read
+by rank 0 whole instead, and the log says why.
+"""
+
+import json
+import logging
+import re
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from accelerate import Accelerator, init_empty_weights
+from accelerate.utils import broadcast_object_list
+from omegaconf import DictConfig
+
+from src.launch.sharded_start import is_sharded_start
+
+log = logging.getLogger(__name__)
+
+MODEL_TARGET = "src.models.hf_causal_lm.causal_lm_from_config"
+INDEX_FILE = "model.safetensors.index.json"  # a model saved in several files: which file holds each weight
+ADAPTER_INITS_WITHOUT_BASE_WEIGHTS = (True, False, "gaussian")  # peft's LoRA initialisations that read no weight
+ADAPTER_WEIGHT = re.compile(r"\.lora_[A-Za-z_]+\.")  # lora_A, lora_B, lora_embedding_A, ...
+WRAPPED_BY_PEFT = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
+
+
+@dataclass(frozen=True)
+class PretrainedSlices:
+    folder: Path
+    # Every name of a base weight in the model (tied ones have several) -> its file, its key there, and the dtype
+    # the model is built in (from_pretrained casts to it first; FSDP may then upcast a trainable one to float32).
+    sources: dict[str, tuple[str, str, torch.dtype]]
+
+
+def plan_slices(accelerator: Accelerator, model_cfg: DictConfig) -> Optional[PretrainedSlices]:
+    """Whether every rank reads its own slices of `model.pretrained` (None: rank 0 reads it whole, or no sharded
+    start). Rank 0's answer is every rank's: a rank that answered otherwise would wait in another collective."""
+    if not is_sharded_start(accelerator) or model_cfg.get("_target_") != MODEL_TARGET or not model_cfg.pretrained:
+        return None
+    plan, why_not = _plan(model_cfg) if accelerator.is_main_process else (None, "")
+    plan = broadcast_object_list([plan])[0]
+    if plan is None:
+        log.info("sharded start: rank 0 reads model.pretrained=%s whole (%s)", model_cfg.pretrained, why_not)
+    else:
+        log.info("sharded start: each rank reads its own slices of model.pretrained=%s", model_cfg.pretrained)
+    return plan
+
+
+def _plan(model_cfg: DictConfig) -> tuple[Optional[PretrainedSlices], str]:
+    from src.models.hub import local_path
+
+    peft = dict(model_cfg.get("peft") or {})
+    if peft and (str(peft.get("peft_type", "")).upper() != "LORA" or peft.get("use_dora")
+                 or peft.get("init_lora_weights", True) not in ADAPTER_INITS_WITHOUT_BASE_WEIGHTS):
+        return None, "model.peft initialises its adapter from the base weights, which must be whole then"
+    folder = local_path(model_cfg.pretrained, "model.pretrained", revision=model_cfg.get("revision"), quiet=True)
+    files = _weights_in(folder)
+    if not files:
+        return None, f"no safetensors weights in {folder}"
+    architecture = _architecture(folder, model_cfg.get("dtype"))
+    prefix = getattr(architecture, "base_model_prefix", "")
+    sources: dict[str, tuple[str, str, torch.dtype]] = {}
+    for names, tensor, required in _weights_of(architecture):
+        found = next(((files[key][0], key) for name in names for key in _keys_for(name, prefix)
+                      if key in files and files[key][1] == list(tensor.shape)), None)
+        if found is None and required:
+            return None, f"its files hold no weight of shape {list(tensor.shape)} named {names[0]}"
+        if found is not None:
+            sources.update({name: (*found, tensor.dtype) for name in names})
+    return PretrainedSlices(folder, sources), ""
+
+
+def load_slices(accelerator: Accelerator, model: torch.nn.Module, plan: PretrainedSlices) -> None:
+    """Into the prepared (sharded) model: each rank's part of every base weight, from the files."""
+    model = accelerator.unwrap_model(model)  # FSDP2 keeps the names; a compiled model is reached through it
+    left = {key for _, key, _ in plan.sources.values()}
+    with ExitStack() as files, torch.no_grad():
+        from safetensors import safe_open
+
+        opened = {}
+        for name, tensor, is_parameter in _named_weights(model):
+            base_name = WRAPPED_BY_PEFT.sub("", name.removeprefix("base_model.model."))
+            if base_name not in plan.sources:
+                if not is_parameter or ADAPTER_WEIGHT.search(name):  # an adapter's: broadcast from rank 0's
+                    continue
+                raise RuntimeError(f"{name}: no weight of {plan.folder} was planned for it")
+            file, key, dtype = plan.sources[base_name]
+            if file not in opened:
+                opened[file] = files.enter_context(safe_open(plan.folder / file, framework="pt", device="cpu"))
+            local, rows = _this_ranks_part(tensor)
+            local.copy_(opened[file].get_slice(key)[rows].to(dtype).to(local.dtype))
+            left.discard(key)
+    if left:
+        raise RuntimeError(f"weights of {plan.folder} not read into the model: {sorted(left)[:5]}")
+
+
+def _this_ranks_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """The tensor this rank holds and where it lies in the whole one (DTensor's own arithmetic for any placement)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor, tuple(slice(0, size) for size in tensor.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tensor.to_local(), tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """Each parameter once (a tied one under its first name) and each persistent buffer, and which it is."""
+    yield from ((name, param, True) for name, param in model.named_parameters())
+    persistent = set(model.state_dict(keep_vars=True))
+    yield from ((name, buffer, False) for name, buffer in model.named_buffers() if name in persistent)
+
+
+def _weights_of(model: torch.nn.Module) -> Iterator[tuple[list[str], torch.Tensor, bool]]:
+    """(every name, the tensor, whether the files must hold it): parameters must, persistent buffers may (a buffer
+    the files lack keeps the value the model computes, as from_pretrained leaves it)."""
+    names: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        tensors[id(param)] = param
+    for key, names_of_it in names.items():
+        yield names_of_it, tensors[key], True
+    persistent = set(model.state_dict(keep_vars=True))
+    for name, buffer in model.named_buffers():
+        if name in persistent:
+            yield [name], buffer, False
+
+
+def _keys_for(name: str, prefix: str) -> list[str]:
+    """Where a transformers checkpoint may keep a weight: under its name, or with the base model's prefix added or
+    removed (a checkpoint of the base model alone, such as the hub's gpt2)."""
+    if not prefix:
+        return [name]
+    return [name, name.removeprefix(f"{prefix}."), f"{prefix}.{name}"]
+
+
+def _weights_in(folder: Path) -> dict[str, tuple[str, list[int]]]:
+    """Every weight the folder's safetensors files hold: its file and its shape (read from the headers only)."""
+    from safetensors import safe_open
+
+    index = folder / INDEX_FILE
+    if index.is_file():
+        file_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        file_names = ["model.safetensors"]
+    else:
+        return {}
+    weights = {}
+    for file_name in file_names:
+        with safe_open(folder / file_name, framework="pt") as file:
+            weights.update({key: (file_name, file.get_slice(key).get_shape()) for key in file.keys()})
+    return weights
+
+
+def _architecture(folder: Path, dtype: Optional[str]) -> torch.nn.Module:
+    """The model the folder's config.json describes, without values (its names, shapes and dtypes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True),
+                                                 dtype=getattr(torch, dtype or "float32"))
+    model.tie_weights()  # init_empty_weights makes a parameter for each name of a tied one
+    return model
