@@ -52,6 +52,8 @@ def test_summary_json_is_complete_and_agrees_with_the_event_file(two_process_run
     assert summary["tokens_per_second"] > 0 and 0 < summary["mfu"] < 1  # peak 1 TFLOP/s per process
     peaks = summary["peak_memory_gib"]["rss_per_rank"]
     assert len(peaks) == 2 and min(peaks) > 0.1 and summary["peak_memory_gib"]["rss_max_over_ranks"] == max(peaks)
+    start_up = summary["peak_memory_gib"]["rss_per_rank_before_the_first_step"]  # the build, prepare and load
+    assert len(start_up) == 2 and all(0.1 < before <= peak for before, peak in zip(start_up, peaks))
     assert stdout.count("run summary (") == 1  # printed once, by rank 0
 
 

@@ -111,6 +111,7 @@ def one_size(args, layers: int, hidden: int, work: Path) -> dict:
         rows[layout] = {
             "processes": processes,
             "peak_rss_gib_per_rank": [round(m, 2) for m in memory["rss_per_rank"]],
+            "start_up_peak_rss_gib_per_rank": [round(m, 2) for m in memory["rss_per_rank_before_the_first_step"]],
             **({"cuda_peak_gib": round(memory["cuda"], 2)} if "cuda" in memory else {}),
             "step_time_s": round(median(step_times), 2),
             "tokens_per_second": round(summary["tokens_per_second"], 1),

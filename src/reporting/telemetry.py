@@ -153,6 +153,7 @@ class Telemetry:
         self.process_started = process_start_time()
         self.phases: dict[str, float] = defaultdict(float)  # seconds per phase, over the whole run
         self.loop_started: Optional[float] = None
+        self.start_up_peak_rss = 0.0  # GiB: the build, the prepare and the load, before the first step
         self._reset_interval()
         self.total_steps = 0
         self.total_targets = torch.zeros((), device=accelerator.device)  # global counts, summed on the device
@@ -170,6 +171,7 @@ class Telemetry:
             if self.loop_started is None:
                 self.loop_started = started
                 self.phases["start-up"] = time.time() - self.process_started
+                self.start_up_peak_rss = peak_rss_gib()
                 self._reset_interval()
                 if self.profiler is not None:
                     self.profiler.start()
@@ -245,9 +247,10 @@ class Telemetry:
         wall = time.time() - self.process_started
         training = time.perf_counter() - self.loop_started if self.loop_started else 0.0
         throughput = self.total_targets.item() / training if training else 0.0
-        # Every rank's: under FSDP rank 0 may hold more than the others (it reads the model whole, it gathers the
-        # export), and a node's host memory is the sum over its ranks.
-        peak_rss = self.accelerator.gather(torch.tensor([peak_rss_gib()], device=self.accelerator.device)).tolist()
+        # Every rank's: under FSDP rank 0 may hold more than the others (it builds the model whole, it gathers the
+        # export), and a node's host memory is the sum over its ranks. Before the first step: what the start took.
+        peak_rss, start_up_rss = self.accelerator.gather(
+            torch.tensor([[peak_rss_gib(), self.start_up_peak_rss]], device=self.accelerator.device)).T.tolist()
         summary = {
             "stopped": stopped,
             "steps": state.step,
@@ -262,6 +265,7 @@ class Telemetry:
             "tokens_per_second": throughput,
             "mfu": self.mfu(throughput),
             "peak_memory_gib": {"rss_max_over_ranks": max(peak_rss), "rss_per_rank": peak_rss,
+                                "rss_per_rank_before_the_first_step": start_up_rss,
                                 **({"cuda": torch.cuda.max_memory_allocated() / 2**30}
                                    if self.accelerator.device.type == "cuda" else {})},
             "final_train_loss": final_loss,
