@@ -100,6 +100,33 @@ def test_a_continuations_score_is_its_log_probability_under_the_model_whatever_b
         assert greedy == bool((scores.argmax(-1) == targets).all())
 
 
+def test_a_generation_is_the_models_greedy_continuation_cut_at_the_first_stop_string(accelerator):
+    """generate_until (a generation task, data/eval_tasks/shakespeare_next_words.yaml): token by token the model's
+    most likely next one, for at most max_gen_toks tokens, the text cut before the first `until` string."""
+    from types import SimpleNamespace
+
+    from src.loop.harness_model import LiveModel
+
+    model, codec = tiny_gpt_and_codec(block_size=32)
+    model.eval()
+    lm = LiveModel(accelerator, model, False, codec, max_length=32, batch_size=3)
+
+    def greedy(context: str, new_tokens: int) -> str:
+        ids = codec.encode(context)[-(32 - new_tokens):]
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+        return codec.decode(ids[-new_tokens:])
+
+    contexts = ["ROMEO:\nBut soft", "JULIET:\n" * 6]
+    free = [greedy(context, 12) for context in contexts]
+    stop = free[0][3]  # a character the first continuation meets after 3 others
+    requests = [SimpleNamespace(args=(contexts[0], {"until": [stop], "max_gen_toks": 12})),
+                SimpleNamespace(args=(contexts[1], {"until": [], "max_gen_toks": 12})),
+                SimpleNamespace(args=(contexts[1], {"until": "\x00", "max_gen_toks": 5}))]
+    assert lm.generate_until(requests) == [free[0].split(stop)[0], free[1], greedy(contexts[1], 5)]
+
+
 def trainer_config(**keys):
     return OmegaConf.create({"eval_tasks": [TASK], "eval_tasks_every": 0, "eval_tasks_limit": None,
                              "eval_tasks_batch_size": 8, "max_steps": 4, "monitor": None, **keys})

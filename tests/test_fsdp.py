@@ -7,6 +7,7 @@ code on weights sharded by hand with torch's fully_shard. With a GPU, the gpu-ma
 user does.
 """
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -232,7 +233,10 @@ def test_a_nonfinite_step_on_sharded_weights_is_skipped_and_holds_the_schedule(t
     ("trainer.sample_every=2", ("trainer.sample_every", "python sample.py RUN_DIR/model")),
     ("trainer.auto_micro_batch=true", ("trainer.auto_micro_batch", "DistributedType.FSDP", "data.batch_size",
                                        "trainer.gradient_accumulation_steps", "trainer.auto_micro_batch=false")),
-], ids=["ema", "sampling", "auto_micro_batch"])
+    pytest.param("trainer.eval_tasks=[data/eval_tasks/shakespeare_next_words.yaml]",
+                 ("trainer.eval_tasks", "shakespeare_next_words", "lm_eval --model hf"),
+                 marks=pytest.mark.skipif(not importlib.util.find_spec("lm_eval"), reason="lm_eval: an extra")),
+], ids=["ema", "sampling", "auto_micro_batch", "generation_task"])
 def test_what_needs_whole_weights_is_refused_under_fsdp_before_training_naming_the_alternative(
         tmp_path, option, names):
     run_dir = tmp_path / "run"
