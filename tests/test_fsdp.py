@@ -97,13 +97,13 @@ def test_a_sharded_start_builds_the_model_on_rank_0_alone_and_trains_the_weights
 @pytest.fixture(scope="module")
 def llama_in_several_files(tmp_path_factory, pretrained) -> Path:
     """An untied Llama saved in several safetensors files (an index names each weight's), with the tiny GPT-2's
-    tokenizer beside it, as a big model on the hub comes."""
+    tokenizer beside it, as a big model on the hub comes; its MLP's 63 rows are split 32 and 31 between 2 ranks."""
     transformers = pytest.importorskip("transformers")
     import shutil
 
     import torch
 
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=63, num_hidden_layers=2, num_attention_heads=2,
                                       num_key_value_heads=1, vocab_size=PRETRAINED_VOCAB, max_position_embeddings=64,
                                       tie_word_embeddings=False)
     folder = tmp_path_factory.mktemp("llama") / "llama"

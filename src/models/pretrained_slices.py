@@ -19,6 +19,7 @@ by rank 0 whole instead, and the log says why.
 
 import json
 import logging
+import math
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -92,9 +93,7 @@ def load_slices(accelerator: Accelerator, model: torch.nn.Module, plan: Pretrain
     model = accelerator.unwrap_model(model)  # FSDP2 keeps the names; a compiled model is reached through it
     left = {key for _, key, _ in plan.sources.values()}
     with ExitStack() as files, torch.no_grad():
-        from safetensors import safe_open
-
-        opened = {}
+        opened: dict[str, _WeightsFile] = {}
         for name, tensor, is_parameter in _named_weights(model):
             base_name = WRAPPED_BY_PEFT.sub("", name.removeprefix("base_model.model."))
             if base_name not in plan.sources:
@@ -103,12 +102,53 @@ def load_slices(accelerator: Accelerator, model: torch.nn.Module, plan: Pretrain
                 raise RuntimeError(f"{name}: no weight of {plan.folder} was planned for it")
             file, key, dtype = plan.sources[base_name]
             if file not in opened:
-                opened[file] = files.enter_context(safe_open(plan.folder / file, framework="pt", device="cpu"))
-            local, rows = _this_ranks_part(tensor)
-            local.copy_(opened[file].get_slice(key)[rows].to(dtype).to(local.dtype))
+                opened[file] = files.enter_context(_WeightsFile(plan.folder / file))
+            local, part = _this_ranks_part(tensor)
+            local.copy_(opened[file].read(key, part).to(dtype).to(local.dtype))
             left.discard(key)
     if left:
         raise RuntimeError(f"weights of {plan.folder} not read into the model: {sorted(left)[:5]}")
+
+
+class _WeightsFile:
+    """A safetensors file read by plain reads of the bytes a part needs. Not safetensors' own reader: it maps the
+    file, and every page a rank touched would count as that rank's memory until the file is closed (a whole copy
+    over the load, at the end)."""
+
+    DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+
+    def __init__(self, path: Path):
+        self.path, self.file = path, open(path, "rb")
+        size = int.from_bytes(self.file.read(8), "little")
+        self.header, self.data_start = json.loads(self.file.read(size)), 8 + size
+
+    def __enter__(self) -> "_WeightsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+    def read(self, key: str, part: tuple[slice, ...]) -> torch.Tensor:
+        entry = self.header[key]
+        shape = entry["shape"]
+        whole_rows = all(cut == slice(0, size) for cut, size in zip(part[1:], shape[1:]))
+        if not shape or not whole_rows or entry["dtype"] not in self.DTYPES:  # a scalar, columns, another dtype
+            from safetensors import safe_open
+
+            with safe_open(self.path, framework="pt", device="cpu") as file:
+                return file.get_slice(key)[part] if shape else file.get_tensor(key)
+        dtype = self.DTYPES[entry["dtype"]]
+        row_bytes = dtype.itemsize * math.prod(shape[1:])
+        rows = part[0].stop - part[0].start
+        if rows == 0:  # a rank past the end of an unevenly sharded weight
+            return torch.empty(0, *shape[1:], dtype=dtype)
+        self.file.seek(self.data_start + entry["data_offsets"][0] + part[0].start * row_bytes)
+        data = bytearray(rows * row_bytes)
+        if self.file.readinto(data) != len(data):
+            raise RuntimeError(f"{self.path}: {key} is cut short (a truncated file)")
+        return torch.frombuffer(data, dtype=dtype).view(rows, *shape[1:])
 
 
 def _this_ranks_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
