@@ -107,8 +107,9 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout)  # whole global batches; epochs -> steps
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
     # FSDP's sharded start: rank 0 alone holds the model whole, or no rank does where each reads its own slices of
-    # a pretrained folder once the model is sharded (`Run.read_pretrained_slices`).
-    slices = plan_slices(accelerator, cfg.model)
+    # a pretrained folder or of trainer.init_weights once the model is sharded (`Run.read_pretrained_slices`).
+    init_weights = Path(cfg.trainer.init_weights) if cfg.trainer.init_weights and not checkpoint else None
+    slices = plan_slices(accelerator, cfg.model, init_weights)
     with without_values(accelerator, read_in_slices=slices is not None):
         model = build(cfg.model, group="model")
     give_storage(accelerator, model, read_in_slices=slices is not None)
@@ -116,9 +117,10 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     if data.attends_per_document:  # data.packing=true
         attend_per_document(model)
     warn_if_it_cannot_fit(accelerator, model, cfg)  # weights, gradients and optimizer state against the memory
-    # A resumed run continues from its checkpoint's weights; in a sharded start, rank 0's are sent to the others.
-    if cfg.trainer.init_weights and not checkpoint and holds_values(accelerator):
-        load_initial_weights(model, Path(cfg.trainer.init_weights), cfg.model, data.codec, fingerprint)
+    # A resumed run continues from its checkpoint's weights. Every rank checks them; a rank without values reads none.
+    if init_weights:
+        load_initial_weights(model, init_weights, cfg.model, data.codec, fingerprint,
+                             read=holds_values(accelerator, read_in_slices=slices is not None))
     hide_tied_weight_notices(model)  # accelerate's "Removed shared tensor" at every save, for the model's own ties
     if cfg.trainer.sync_batchnorm:
         model = sync_batchnorm(model, accelerator)

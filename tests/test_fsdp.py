@@ -137,6 +137,29 @@ def test_a_sharded_start_of_a_pretrained_folder_reads_each_ranks_slices_and_trai
     assert max_abs_diff(exported_weights(whole), exported_weights(sliced)) == 0
 
 
+def test_a_sharded_start_from_another_runs_weights_reads_each_ranks_slices_and_refuses_weights_that_do_not_fit(
+        tmp_path, fsdp_run):
+    """trainer.init_weights (the template's tied GPT, exported by another run): the same weights as a whole copy
+    per rank, with dropout drawing on; weights of another shape are refused, naming them, before any step."""
+    source = fsdp_run / "model"
+    args = [*ARGS, "model.dropout=0.1", "trainer.max_steps=3", "trainer.checkpoint_every=0",
+            f"trainer.init_weights={source}"]
+    whole, sliced = tmp_path / "whole", tmp_path / "sliced"
+    *launcher, script = launch_command(FSDP_ON_CPU["script"], 2, "fsdp")
+    whole_copy_per_rank = [*launcher, "--fsdp_cpu_ram_efficient_loading", "false", script]
+    launched = {run_dir: run([*args, f"hydra.run.dir={run_dir}"], command=command)
+                for run_dir, command in ((whole, whole_copy_per_rank), (sliced, [*launcher, script]))}
+    assert "each rank reads its own slices of trainer.init_weights" in launched[sliced].stdout
+    assert scalars(whole, "train/loss") == scalars(sliced, "train/loss")
+    assert max_abs_diff(exported_weights(whole), exported_weights(sliced)) == 0
+    assert exported_weights(sliced)["tok_emb.weight"].shape == exported_weights(fsdp_run)["tok_emb.weight"].shape
+
+    deeper = tmp_path / "deeper"
+    proc = run([*args, "model.n_layer=3", f"hydra.run.dir={deeper}"], command=[*launcher, script], check=False)
+    assert proc.returncode != 0 and "step 1/" not in proc.stdout
+    named(proc.stdout, f"trainer.init_weights={source}", "blocks.2.")
+
+
 @pytest.mark.parametrize("writing", [[], ["trainer.async_checkpoint=true"]], ids=["blocking", "in_background"])
 def test_a_killed_fsdp_run_resumes_bitwise_from_its_sharded_checkpoint(tmp_path, fsdp_run, writing):
     """In the background, each rank's thread writes its shards (torch.distributed.checkpoint's async_save) while

@@ -141,9 +141,10 @@ def model_must_fit(source: str, remedy: str = RESUME_REMEDY):
 
 
 def load_initial_weights(model: torch.nn.Module, source: Path, model_cfg: DictConfig, codec: Optional[Codec],
-                         fingerprint: dict) -> None:
+                         fingerprint: dict, read: bool = True) -> None:
     """trainer.init_weights: another run's weights (its export or a checkpoint) as this run's starting point;
-    nothing else of that run comes along. On text, ids must mean the same tokens as when the weights trained."""
+    nothing else of that run comes along. On text, ids must mean the same tokens as when the weights trained.
+    `read=False`: the checks only (FSDP's sharded start: the rank's slices are read once the model is sharded)."""
     key = f"trainer.init_weights={source}"
     if model_cfg.get("pretrained") or model_cfg.get("peft"):
         raise UsageError(f"{key} with model.pretrained or model.peft: a transformers model starts from "
@@ -163,8 +164,9 @@ def load_initial_weights(model: torch.nn.Module, source: Path, model_cfg: DictCo
         raise UsageError(f"{key}: those weights were trained on another vocabulary than this run's data has "
                          f"({there!r} there, {here!r} here), so each token id would mean another token: "
                          "tokenize this data as that run did (data.tokenizer, data.level)")
-    with model_must_fit(key, "Give this run the model settings (model.*) of the run that trained them."):
-        load_model(model, file, strict=True)
+    if read:
+        with model_must_fit(key, "Give this run the model settings (model.*) of the run that trained them."):
+            load_model(model, file, strict=True)
 
 
 def trained_vocabulary(source: Path, codec: Optional[Codec], fingerprint: dict) -> tuple[Optional[str], Optional[str]]:

@@ -1,5 +1,8 @@
 """A pretrained folder read in slices: FSDP's sharded start without a whole copy on any rank, rank 0 included.
 
+The same for `trainer.init_weights` (another run's model.safetensors, the template's GPT included): every rank
+builds the model without values and reads its own slices of that file once the model is sharded.
+
 In a sharded start (src/launch/sharded_start.py) rank 0 alone builds the model with its values and sends each rank
 its shard. Where the model is a pretrained folder (`model.pretrained` of model=hf_causal_lm) whose weights are
 safetensors files, rank 0 does not read it whole either: every rank builds the architecture without values, FSDP
@@ -47,13 +50,21 @@ class PretrainedSlices:
     folder: Path
     # Every name of a base weight in the model (tied ones have several) -> its file, its key there, and the dtype
     # the model is built in (from_pretrained casts to it first; FSDP may then upcast a trainable one to float32).
-    sources: dict[str, tuple[str, str, torch.dtype]]
+    # None: trainer.init_weights, whose file holds the model's own names, every one of them (matched once sharded).
+    sources: Optional[dict[str, tuple[str, str, torch.dtype]]]
 
 
-def plan_slices(accelerator: Accelerator, model_cfg: DictConfig) -> Optional[PretrainedSlices]:
-    """Whether every rank reads its own slices of `model.pretrained` (None: rank 0 reads it whole, or no sharded
-    start). Rank 0's answer is every rank's: a rank that answered otherwise would wait in another collective."""
-    if not is_sharded_start(accelerator) or model_cfg.get("_target_") != MODEL_TARGET or not model_cfg.pretrained:
+def plan_slices(accelerator: Accelerator, model_cfg: DictConfig,
+                init_weights: Optional[Path] = None) -> Optional[PretrainedSlices]:
+    """Whether every rank reads its own slices of `model.pretrained` or of `trainer.init_weights` (another run's
+    model.safetensors) once the model is sharded (None: rank 0 reads it whole, or no sharded start). Rank 0's
+    answer is every rank's: a rank that answered otherwise would wait in another collective."""
+    if not is_sharded_start(accelerator):
+        return None
+    if init_weights is not None:
+        log.info("sharded start: each rank reads its own slices of trainer.init_weights=%s", init_weights)
+        return PretrainedSlices(init_weights, None)
+    if model_cfg.get("_target_") != MODEL_TARGET or not model_cfg.pretrained:
         return None
     plan, why_not = _plan(model_cfg) if accelerator.is_main_process else (None, "")
     plan = broadcast_object_list([plan])[0]
@@ -91,6 +102,8 @@ def _plan(model_cfg: DictConfig) -> tuple[Optional[PretrainedSlices], str]:
 def load_slices(accelerator: Accelerator, model: torch.nn.Module, plan: PretrainedSlices) -> None:
     """Into the prepared (sharded) model: each rank's part of every base weight, from the files."""
     model = accelerator.unwrap_model(model)  # FSDP2 keeps the names; a compiled model is reached through it
+    if plan.sources is None:
+        plan = PretrainedSlices(plan.folder, _own_names(model, plan.folder))
     left = {key for _, key, _ in plan.sources.values()}
     with ExitStack() as files, torch.no_grad():
         opened: dict[str, _WeightsFile] = {}
@@ -149,6 +162,31 @@ class _WeightsFile:
         if self.file.readinto(data) != len(data):
             raise RuntimeError(f"{self.path}: {key} is cut short (a truncated file)")
         return torch.frombuffer(data, dtype=dtype).view(rows, *shape[1:])
+
+
+def _own_names(model: torch.nn.Module, folder: Path) -> dict[str, tuple[str, str, torch.dtype]]:
+    """trainer.init_weights: every weight of the model under its own name (a tied one under one of its names, as
+    safetensors stores it), and nothing else, as load_model(strict=True) reads a whole copy."""
+    from src.checkpointing.load import model_must_fit
+
+    files = _weights_in(folder)
+    sources, problems = {}, []
+    for names, tensor, required in _weights_of(model):
+        key = next((name for name in names if name in files), None)
+        if key is None:
+            problems += [f'Missing key(s) in state_dict: "{names[0]}"'] if required else []
+        elif files[key][1] != list(tensor.shape):
+            problems.append(f"size mismatch for {key}: copying a param with shape {files[key][1]} from checkpoint, "
+                            f"the shape in current model is {list(tensor.shape)}")
+        else:
+            sources.update({name: (files[key][0], key, tensor.dtype) for name in names})
+    used = {key for _, key, _ in sources.values()}
+    problems += [f'Unexpected key(s) in state_dict: "{key}"' for key in sorted(set(files) - used)]
+    if problems:
+        with model_must_fit(f"trainer.init_weights={folder}",
+                            "Give this run the model settings (model.*) of the run that trained them."):
+            raise RuntimeError("Error(s) in loading state_dict:\n" + "\n".join(problems))
+    return sources
 
 
 def _this_ranks_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
