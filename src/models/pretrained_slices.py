@@ -1,14 +1,12 @@
 """A pretrained folder read in slices: FSDP's sharded start without a whole copy on any rank, rank 0 included.
 
-The same for `trainer.init_weights` (another run's model.safetensors, the template's GPT included): every rank
-builds the model without values and reads its own slices of that file once the model is sharded.
-
 In a sharded start (src/launch/sharded_start.py) rank 0 alone builds the model with its values and sends each rank
 its shard. Where the model is a pretrained folder (`model.pretrained` of model=hf_causal_lm) whose weights are
 safetensors files, rank 0 does not read it whole either: every rank builds the architecture without values, FSDP
-shards it, and each rank then reads from the files only the rows of each weight that its shard holds (safetensors
-reads a slice of a tensor without the rest). No rank holds more than its shard plus one weight's slice, and the
-values are bitwise those `from_pretrained` reads (cast as it casts them).
+shards it, and each rank then reads from the files only the bytes of the rows of each weight that its shard holds.
+No rank holds more than its shard plus one weight's slice, and the values are bitwise those `from_pretrained`
+reads (cast as it casts them). The same for `trainer.init_weights` (another run's model.safetensors, the
+template's GPT included), whose file must hold the model's own names.
 
 A LoRA adapter (`model.peft`) is made with its values on every rank, as a whole copy would make it: its
 initialisation draws from the seeded generator and reads no base weight, and accelerate's broadcast of rank 0's
