@@ -23,7 +23,7 @@ import logging
 import math
 import re
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -66,6 +66,8 @@ def plan_slices(accelerator: Accelerator, model_cfg: DictConfig,
         return None
     plan, why_not = _plan(model_cfg) if accelerator.is_main_process else (None, "")
     plan = broadcast_object_list([plan])[0]
+    if plan is not None and not accelerator.is_main_process:  # this node's copy: a hub id's cache may lie elsewhere
+        plan = replace(plan, folder=_folder(model_cfg))
     if plan is None:
         log.info("sharded start: rank 0 reads model.pretrained=%s whole (%s)", model_cfg.pretrained, why_not)
     else:
@@ -73,14 +75,18 @@ def plan_slices(accelerator: Accelerator, model_cfg: DictConfig,
     return plan
 
 
-def _plan(model_cfg: DictConfig) -> tuple[Optional[PretrainedSlices], str]:
+def _folder(model_cfg: DictConfig) -> Path:
     from src.models.hub import local_path
 
+    return local_path(model_cfg.pretrained, "model.pretrained", revision=model_cfg.get("revision"), quiet=True)
+
+
+def _plan(model_cfg: DictConfig) -> tuple[Optional[PretrainedSlices], str]:
     peft = dict(model_cfg.get("peft") or {})
     if peft and (str(peft.get("peft_type", "")).upper() != "LORA" or peft.get("use_dora")
                  or peft.get("init_lora_weights", True) not in ADAPTER_INITS_WITHOUT_BASE_WEIGHTS):
         return None, "model.peft initialises its adapter from the base weights, which must be whole then"
-    folder = local_path(model_cfg.pretrained, "model.pretrained", revision=model_cfg.get("revision"), quiet=True)
+    folder = _folder(model_cfg)
     files = _weights_in(folder)
     if not files:
         return None, f"no safetensors weights in {folder}"
