@@ -121,6 +121,7 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     if init_weights:
         load_initial_weights(model, init_weights, cfg.model, data.codec, fingerprint,
                              read=holds_values(accelerator, read_in_slices=slices is not None))
+        slices = slices.of_model(model) if slices is not None else None
     hide_tied_weight_notices(model)  # accelerate's "Removed shared tensor" at every save, for the model's own ties
     if cfg.trainer.sync_batchnorm:
         model = sync_batchnorm(model, accelerator)

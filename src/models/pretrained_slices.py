@@ -48,8 +48,13 @@ class PretrainedSlices:
     folder: Path
     # Every name of a base weight in the model (tied ones have several) -> its file, its key there, and the dtype
     # the model is built in (from_pretrained casts to it first; FSDP may then upcast a trainable one to float32).
-    # None: trainer.init_weights, whose file holds the model's own names, every one of them (matched once sharded).
+    # None: trainer.init_weights, whose file holds the model's own names, every one of them (`of_model` once built).
     sources: Optional[dict[str, tuple[str, str, torch.dtype]]]
+
+    def of_model(self, model: torch.nn.Module) -> "PretrainedSlices":
+        """trainer.init_weights: the weights matched to the built model's names, shapes and dtypes, before the
+        prepare (weights of another shape are refused here, naming them)."""
+        return self if self.sources is not None else PretrainedSlices(self.folder, _own_names(model, self.folder))
 
 
 def plan_slices(accelerator: Accelerator, model_cfg: DictConfig,
@@ -106,8 +111,6 @@ def _plan(model_cfg: DictConfig) -> tuple[Optional[PretrainedSlices], str]:
 def load_slices(accelerator: Accelerator, model: torch.nn.Module, plan: PretrainedSlices) -> None:
     """Into the prepared (sharded) model: each rank's part of every base weight, from the files."""
     model = accelerator.unwrap_model(model)  # FSDP2 keeps the names; a compiled model is reached through it
-    if plan.sources is None:
-        plan = PretrainedSlices(plan.folder, _own_names(model, plan.folder))
     left = {key for _, key, _ in plan.sources.values()}
     with ExitStack() as files, torch.no_grad():
         opened: dict[str, _WeightsFile] = {}
