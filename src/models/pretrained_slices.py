@@ -114,13 +114,14 @@ def load_slices(accelerator: Accelerator, model: torch.nn.Module, plan: Pretrain
     left = {key for _, key, _ in plan.sources.values()}
     with ExitStack() as files, torch.no_grad():
         opened: dict[str, _WeightsFile] = {}
-        for name, tensor, is_parameter in _named_weights(model):
-            base_name = WRAPPED_BY_PEFT.sub("", name.removeprefix("base_model.model."))
-            if base_name not in plan.sources:
-                if not is_parameter or ADAPTER_WEIGHT.search(name):  # an adapter's: broadcast from rank 0's
+        for names, tensor, required in _weights_of(model):
+            base_names = [WRAPPED_BY_PEFT.sub("", name.removeprefix("base_model.model.")) for name in names]
+            planned = next((name for name in base_names if name in plan.sources), None)
+            if planned is None:
+                if not required or ADAPTER_WEIGHT.search(names[0]):  # an adapter's: broadcast from rank 0's
                     continue
-                raise RuntimeError(f"{name}: no weight of {plan.folder} was planned for it")
-            file, key, dtype = plan.sources[base_name]
+                raise RuntimeError(f"{names[0]}: no weight of {plan.folder} was planned for it")
+            file, key, dtype = plan.sources[planned]
             if file not in opened:
                 opened[file] = files.enter_context(_WeightsFile(plan.folder / file))
             local, part = _this_ranks_part(tensor)
@@ -208,13 +209,6 @@ def _this_ranks_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, .
     return tensor.to_local(), tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
-def _named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """Each parameter once (a tied one under its first name) and each persistent buffer, and which it is."""
-    yield from ((name, param, True) for name, param in model.named_parameters())
-    persistent = set(model.state_dict(keep_vars=True))
-    yield from ((name, buffer, False) for name, buffer in model.named_buffers() if name in persistent)
-
-
 def _weights_of(model: torch.nn.Module) -> Iterator[tuple[list[str], torch.Tensor, bool]]:
     """(every name, the tensor, whether the files must hold it): parameters must, persistent buffers may (a buffer
     the files lack keeps the value the model computes, as from_pretrained leaves it)."""
@@ -241,8 +235,6 @@ def _keys_for(name: str, prefix: str) -> list[str]:
 
 def _weights_in(folder: Path) -> dict[str, tuple[str, list[int]]]:
     """Every weight the folder's safetensors files hold: its file and its shape (read from the headers only)."""
-    from safetensors import safe_open
-
     index = folder / INDEX_FILE
     if index.is_file():
         file_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -252,8 +244,9 @@ def _weights_in(folder: Path) -> dict[str, tuple[str, list[int]]]:
         return {}
     weights = {}
     for file_name in file_names:
-        with safe_open(folder / file_name, framework="pt") as file:
-            weights.update({key: (file_name, file.get_slice(key).get_shape()) for key in file.keys()})
+        with _WeightsFile(folder / file_name) as file:
+            weights.update({key: (file_name, entry["shape"]) for key, entry in file.header.items()
+                            if key != "__metadata__"})
     return weights
 
 
