@@ -6,7 +6,7 @@
 #       --platform manylinux_2_28_x86_64 -d .whl hydra-core==1.3.8 omegaconf==2.3.1 transformers==5.23.0 peft==0.21.2
 #   pip wheel --no-deps -w .whl antlr4-python3-runtime==4.9.3   # omegaconf's parser: an sdist only on PyPI
 # Then run there, carrying .whl:  bash scripts/gpu_tests.sh [SECONDS] ["TEST IDS"]
-# All 11 took 301 s on a cold H100 (2026-11-26); the autotuned compile test alone 108 s.
+# All 11 took 301 s on a cold H100 (2026-11-26), 398 s on another; the autotuned compile test alone 108 s.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1

@@ -57,6 +57,13 @@ def per_step(stamps: list[tuple[int, float]]) -> float:
     return (t1 - t0) / (last - first)
 
 
+def template_model_and_data(args, bin_file: Path) -> list[str]:
+    """What every template run of this benchmark is, and what its FLOP count is computed on: one list, so they
+    cannot differ (the FLOP count's copy once lacked the validation fraction and failed at GPT-2's block size)."""
+    return ["experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}", "data.vocab_size=50304",
+            "data.val_fraction=0.05"]
+
+
 def compile_overrides(args, compiled: bool) -> list[str]:
     """nanoGPT compiles in torch.compile's default mode; --compile-mode tries another for the template only."""
     if not compiled:
@@ -65,8 +72,7 @@ def compile_overrides(args, compiled: bool) -> list[str]:
 
 
 def gpu_template(args, batch: int, accumulation: int, compiled: bool, run_dir: Path, bin_file: Path) -> dict:
-    cmd = [sys.executable, "train.py", "experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}",
-           "data.vocab_size=50304", "data.val_fraction=0.05", f"data.batch_size={batch}",
+    cmd = [sys.executable, "train.py", *template_model_and_data(args, bin_file), f"data.batch_size={batch}",
            f"trainer.gradient_accumulation_steps={accumulation}", *compile_overrides(args, compiled),
            f"trainer.max_steps={args.steps}", "trainer.log_every=10", "trainer.eval_every=0", "trainer.eval_batches=2",
            "trainer.checkpoint_every=0", "trainer.monitor=null", "scheduler.warmup_steps=10",
@@ -98,8 +104,7 @@ def gpu_first_step(args, compiled: bool, bin_file: Path, tmp: Path) -> float:
     """Seconds from starting `python train.py` to its first optimizer step (compiled: with warm caches)."""
     run_dir = tmp / f"first-step-{compiled}"
     started = time.time()
-    run([sys.executable, "train.py", "experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}",
-         "data.vocab_size=50304", "data.val_fraction=0.05", *compile_overrides(args, compiled),
+    run([sys.executable, "train.py", *template_model_and_data(args, bin_file), *compile_overrides(args, compiled),
          "trainer.max_steps=1", "trainer.log_every=1", "trainer.eval_batches=1", "trainer.monitor=null",
          f"trainer.mixed_precision={args.mixed_precision}", f"hydra.run.dir={run_dir}"],
         env={**os.environ, "TQDM_DISABLE": "1"})
@@ -134,8 +139,7 @@ def gpu(args) -> dict:
             split = int(len(tokens) * 0.95)  # no meta.pkl: nanoGPT then uses vocab 50304, as the template is told
             tokens[:split].tofile(work / "data" / "bench_bytes" / "train.bin")
             tokens[split:].tofile(work / "data" / "bench_bytes" / "val.bin")
-        cfg = compose_config(["experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}",
-                              "data.vocab_size=50304"])
+        cfg = compose_config(template_model_and_data(args, bin_file))
         cfg = resolve_data_sizes(cfg, build(cfg.data, group="data").sizes())
         flops = flops_per_token(build(cfg.model, group="model"))
         for shape in args.shapes:
