@@ -18,6 +18,7 @@ from src.checkpointing.export import load_exported_model
 from src.launch.memory import gib
 from tests.conftest import (
     GPU_ENV,
+    GPUS,
     PRETRAINED_VOCAB,
     QUIET,
     TINY_GPT,
@@ -292,3 +293,23 @@ def test_fsdp_on_one_gpu_trains_resumes_bitwise_from_a_background_save_and_expor
     assert max_abs_diff(exported_weights(tmp_path / "whole"), exported_weights(tmp_path / "resumed")) == 0
     model = load_exported_model(tmp_path / "whole" / "model")
     assert model.lm_head.weight is model.tok_emb.weight
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason="a sharded start needs 2 ranks, a GPU each (NCCL refuses two on one)")
+def test_on_two_gpus_each_rank_reads_its_slices_of_a_pretrained_folder_and_trains_the_weights_of_whole_copies(
+        tmp_path, llama_in_several_files):
+    """What the CPU test shows over gloo, on GPUs over NCCL as a user launches it (train.py, no CPU shim): each
+    rank's rows are read into host memory and reach its GPU through FSDP's own placement."""
+    args = ["model=hf_causal_lm", f"model.pretrained={llama_in_several_files}", "model.block_size=48",
+            "data.batch_size=4", "optimizer.lr=3e-2", "scheduler.warmup_steps=1", "trainer.max_steps=3",
+            "trainer.checkpoint_every=0", "trainer.deterministic=true", *QUIET]
+    whole, sliced = tmp_path / "whole", tmp_path / "sliced"
+    *launcher, script = launch_command("train.py", 2, "fsdp")
+    whole_copy_per_rank = [*launcher, "--fsdp_cpu_ram_efficient_loading", "false", script]
+    launched = {run_dir: run([*args, f"hydra.run.dir={run_dir}"], command=command, env=GPU_ENV)
+                for run_dir, command in ((whole, whole_copy_per_rank), (sliced, [*launcher, script]))}
+    assert "each rank reads its own slices of model.pretrained" in launched[sliced].stdout
+    assert banner_row(launched[sliced].stdout, "distributed type") == "DistributedType.FSDP"
+    assert scalars(whole, "train/loss") == scalars(sliced, "train/loss")
+    assert max_abs_diff(exported_weights(whole), exported_weights(sliced)) == 0
