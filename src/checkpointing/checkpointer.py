@@ -319,7 +319,7 @@ class Checkpointer:
             return
         previous = complete_checkpoints(self.run_dir)
         needed = f"about {_tree_size(previous[-1]) / 2**20:.1f} MB (the size of the previous one)" if previous \
-            else "unknown"
+            else "at least the size of the model's weights and optimizer state (no earlier one to measure)"
         if self.accelerator.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(self.root).free / 2**20  # with the partial save gone
