@@ -7,7 +7,9 @@ code on weights sharded by hand with torch's fully_shard. With a GPU, the gpu-ma
 user does.
 """
 
+import dataclasses
 import importlib.util
+import io
 import json
 import re
 from pathlib import Path
@@ -181,6 +183,43 @@ def test_a_killed_fsdp_run_resumes_bitwise_from_its_sharded_checkpoint(tmp_path,
     periodic = [line for line in (run_dir / "train.log").read_text().splitlines()
                 if "saved checkpoint" in line and "step_00000012" not in line]  # the final save blocks
     assert periodic and all(("written in the background" in line) == bool(writing) for line in periodic), periodic
+
+
+def test_a_pickle_planted_among_the_optimizers_sharded_values_is_refused_at_resume_and_never_runs(
+        tmp_path, fsdp_run):
+    """The optimizer's param_groups are stored as pickled bytes in its shards, which torch.distributed.checkpoint
+    loads with weights_only=False: one replaced by a pickle that runs code is refused on every rank, naming it."""
+    import pickle
+    import shutil
+
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from tests.test_no_pickles import Planted
+
+    run_dir, marker = tmp_path / "run", tmp_path / "ran"
+    shutil.copytree(fsdp_run, run_dir)
+    optimizer = run_dir / "checkpoints" / "step_00000012" / "optimizer_0"
+    metadata = FileSystemReader(str(optimizer)).read_metadata()
+    values = [index for index in metadata.storage_data
+              if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)]
+    assert any(".param_groups." in index.fqn for index in values), values
+    target = values[0]
+    info = metadata.storage_data[target]
+    shard = optimizer / info.relative_path
+    planted = io.BytesIO()
+    torch.save(Planted(marker), planted)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as out:  # appended, and the metadata pointed at it, as torch's writer would lay it out
+        out.write(planted.getvalue())
+    metadata.storage_data[target] = dataclasses.replace(info, offset=offset, length=len(planted.getvalue()))
+    (optimizer / ".metadata").write_bytes(pickle.dumps(metadata))
+    proc = run([*ARGS, "trainer.max_steps=13", "resume=auto", f"hydra.run.dir={run_dir}"], nproc=2, check=False,
+               **FSDP_ON_CPU)
+    assert proc.returncode != 0 and "step 13/" not in proc.stdout  # torch's launcher reports its ranks' exits
+    named(proc.stdout, f"{shard}, value {target.fqn}")
+    assert not marker.exists()
 
 
 def test_an_fsdp_checkpoint_resumes_resharded_on_another_number_of_processes(tmp_path, fsdp_run):

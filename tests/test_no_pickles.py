@@ -87,3 +87,28 @@ def test_a_planted_sharded_checkpoint_metadata_is_refused_before_torch_unpickles
     with pytest.raises(UsageError, match=rf"{re.escape(str(metadata.parent))}.*builtins.exec"):
         check_readable(checkpoint)
     assert not marker.exists()
+
+
+def test_a_pickle_planted_among_a_sharded_checkpoints_values_is_refused_before_torch_unpickles_it(tmp_path):
+    """torch.distributed.checkpoint keeps what is not a tensor (the optimizer's param_groups) as pickled bytes in
+    its shards and loads them with weights_only=False; the integrity check reads each with the weights-only loader
+    first."""
+    import torch.distributed.checkpoint as dcp
+
+    from src.checkpointing.integrity import check_readable
+    from tests.test_checkpoint import fsdp_shaped_checkpoint
+
+    checkpoint, marker = fsdp_shaped_checkpoint(tmp_path), tmp_path / "ran"
+    optimizer = checkpoint / "optimizer_0"
+    state = {"optimizer": {"exp_avg": torch.zeros(4), "param_groups": [{"lr": 0.1, "params": ["weight"]}]}}
+    dcp.save(state, checkpoint_id=str(optimizer))
+    check_readable(checkpoint)  # plain values pass
+    dcp.save({"optimizer": {**state["optimizer"], "param_groups": [{"lr": Planted(marker), "params": ["weight"]}]}},
+             checkpoint_id=str(optimizer))
+    with pytest.raises(UsageError) as error:
+        check_readable(checkpoint)
+    assert not marker.exists()
+    assert re.search(rf"{re.escape(str(optimizer))}/__\d+_\d+\.distcp, value optimizer\.param_groups\.0\.lr "
+                     r"names exec", str(error.value)), error.value
+    dcp.load(state, checkpoint_id=str(optimizer))  # the plant is live: torch's own load runs it
+    assert marker.read_text() == "ran"

@@ -6,6 +6,7 @@ import importlib
 import io
 import json
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -55,20 +56,47 @@ def check_readable(checkpoint: Path) -> None:
 
 
 def _check_sharded_state(directory: Path) -> None:
-    """A torch.distributed.checkpoint directory: its metadata loads, and every shard holds the bytes it lists."""
+    """A torch.distributed.checkpoint directory: its metadata loads, every shard holds the bytes it lists, and its
+    values that are not tensors are plain values."""
     from torch.distributed.checkpoint import FileSystemReader
 
     if not (directory / ".metadata").is_file():
         raise ValueError(f"{directory / '.metadata'} is missing")
     _MetadataOnly(io.BytesIO((directory / ".metadata").read_bytes())).load()  # before torch unpickles it
+    metadata = FileSystemReader(str(directory)).read_metadata()
     needed: dict[str, int] = {}
-    for info in FileSystemReader(str(directory)).read_metadata().storage_data.values():
+    for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
     for name, size in sorted(needed.items()):
         shard = directory / name
         actual = shard.stat().st_size if shard.is_file() else None
         if actual is None or actual < size:
             raise ValueError(f"shard {shard} holds {actual or 0} bytes, the metadata lists {size}")
+    _check_plain_values(directory, metadata)
+
+
+def _check_plain_values(directory: Path, metadata) -> None:
+    """torch.distributed.checkpoint stores what is not a tensor (an optimizer's learning rates, betas, parameter
+    names...) as torch.save'd bytes inside the shards, and its load planner unpickles them with
+    weights_only=False: a planted one would run code on every rank at resume. Each is read here first with
+    torch's weights-only loader, which builds nothing but plain values."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    for index, info in metadata.storage_data.items():
+        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            continue
+        where = f"{directory / info.relative_path}, value {index.fqn}"
+        if info.transform_descriptors:  # compression and the like: torch's default writer, which we use, adds none
+            raise pickle.UnpicklingError(f"refused: {where} is stored through {list(info.transform_descriptors)}")
+        with open(directory / info.relative_path, "rb") as shard:
+            shard.seek(info.offset)
+            value = shard.read(info.length)
+        try:
+            torch.load(io.BytesIO(value), weights_only=True)
+        except pickle.UnpicklingError as error:
+            named = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+            raise pickle.UnpicklingError(f"refused: {where} names {named.group(1) if named else 'an object'}, "
+                                         "which could run code") from None
 
 
 class _MetadataOnly(pickle.Unpickler):
