@@ -31,7 +31,8 @@ FSDP_ON_CPU = {"script": "tests/fsdp_on_cpu.py", "launcher": "fsdp"}
 @pytest.fixture(scope="module")
 def scored_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("eval_tasks") / "scored"
-    run([*ARGS, *WITH_TASKS, f"hydra.run.dir={run_dir}"])
+    proc = run([*ARGS, *WITH_TASKS, f"hydra.run.dir={run_dir}"])
+    assert "it/s]" not in proc.stdout, proc.stdout[-3000:]  # the harness's progress bars, drawn at each scoring
     return run_dir
 
 

@@ -83,7 +83,7 @@ class EvalTasks:
         was_training = self.model.training
         self.model.eval()
         try:
-            with _random_state_kept(self.accelerator.device):
+            with _random_state_kept(self.accelerator.device), _without_the_harness_bar():
                 results = simple_evaluate(model=self.lm, tasks=self.tasks, task_manager=self.manager,
                                           limit=self.limit, bootstrap_iters=0, log_samples=False)
         finally:
@@ -137,6 +137,22 @@ def _scores(results: dict) -> dict[str, float]:
             metric, name = key.split(",", 1)
             scores[f"{PREFIX}{task}/{metric if name == 'none' else f'{metric}_{name}'}"] = float(value)
     return scores
+
+
+@contextlib.contextmanager
+def _without_the_harness_bar():
+    """The harness draws a progress bar into the training's output as it builds each task's requests, at every
+    scoring, and has no switch for it (Task.build_all_requests): its module's tqdm is a disabled one meanwhile."""
+    import functools
+
+    import lm_eval.api.task as harness_task
+
+    drawn = harness_task.tqdm
+    harness_task.tqdm = functools.partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        harness_task.tqdm = drawn
 
 
 @contextlib.contextmanager
