@@ -97,6 +97,16 @@ def test_a_sharded_start_builds_the_model_on_rank_0_alone_and_trains_the_weights
     assert max_abs_diff(exported_weights(whole), exported_weights(sharded)) == 0
 
 
+def whole_copy_and_sliced(tmp_path: Path, args: list, script: str = FSDP_ON_CPU["script"], env=None) -> dict:
+    """The same run launched twice under config/accelerate/fsdp.yaml on 2 processes: every rank reading the weights
+    whole (`whole`), and the sharded start where each rank reads its own slices (`sliced`); run dir -> output."""
+    *launcher, script = launch_command(script, 2, "fsdp")
+    whole_copy_per_rank = [*launcher, "--fsdp_cpu_ram_efficient_loading", "false", script]
+    commands = {tmp_path / "whole": whole_copy_per_rank, tmp_path / "sliced": [*launcher, script]}
+    return {run_dir: run([*args, f"hydra.run.dir={run_dir}"], command=command, env=env).stdout
+            for run_dir, command in commands.items()}
+
+
 @pytest.fixture(scope="module")
 def llama_in_several_files(tmp_path_factory, pretrained) -> Path:
     """An untied Llama saved in several safetensors files (an index names each weight's), with the tiny GPT-2's
@@ -130,12 +140,9 @@ def test_a_sharded_start_of_a_pretrained_folder_reads_each_ranks_slices_and_trai
             "optimizer.lr=3e-2", "scheduler.warmup_steps=1", "trainer.max_steps=3", "trainer.checkpoint_every=0",
             *QUIET]
     whole, sliced = tmp_path / "whole", tmp_path / "sliced"
-    *launcher, script = launch_command(FSDP_ON_CPU["script"], 2, "fsdp")
-    whole_copy_per_rank = [*launcher, "--fsdp_cpu_ram_efficient_loading", "false", script]
-    launched = {run_dir: run([*args, f"hydra.run.dir={run_dir}"], command=command)
-                for run_dir, command in ((whole, whole_copy_per_rank), (sliced, [*launcher, script]))}
-    assert "each rank reads its own slices of model.pretrained" in launched[sliced].stdout
-    assert "each rank reads its own slices" not in launched[whole].stdout
+    launched = whole_copy_and_sliced(tmp_path, args)
+    assert "each rank reads its own slices of model.pretrained" in launched[sliced]
+    assert "each rank reads its own slices" not in launched[whole]
     assert scalars(whole, "train/loss") == scalars(sliced, "train/loss")
     assert max_abs_diff(exported_weights(whole), exported_weights(sliced)) == 0
     if folder.name == "gpt2_tiny":  # the export of the tied model stores its embedding once, as from_pretrained's
@@ -150,17 +157,14 @@ def test_a_sharded_start_from_another_runs_weights_reads_each_ranks_slices_and_r
     args = [*ARGS, "model.dropout=0.1", "trainer.max_steps=3", "trainer.checkpoint_every=0",
             f"trainer.init_weights={source}"]
     whole, sliced = tmp_path / "whole", tmp_path / "sliced"
-    *launcher, script = launch_command(FSDP_ON_CPU["script"], 2, "fsdp")
-    whole_copy_per_rank = [*launcher, "--fsdp_cpu_ram_efficient_loading", "false", script]
-    launched = {run_dir: run([*args, f"hydra.run.dir={run_dir}"], command=command)
-                for run_dir, command in ((whole, whole_copy_per_rank), (sliced, [*launcher, script]))}
-    assert "each rank reads its own slices of trainer.init_weights" in launched[sliced].stdout
+    launched = whole_copy_and_sliced(tmp_path, args)
+    assert "each rank reads its own slices of trainer.init_weights" in launched[sliced]
     assert scalars(whole, "train/loss") == scalars(sliced, "train/loss")
     assert max_abs_diff(exported_weights(whole), exported_weights(sliced)) == 0
     assert exported_weights(sliced)["tok_emb.weight"].shape == exported_weights(fsdp_run)["tok_emb.weight"].shape
 
     deeper = tmp_path / "deeper"
-    proc = run([*args, "model.n_layer=3", f"hydra.run.dir={deeper}"], command=[*launcher, script], check=False)
+    proc = run([*args, "model.n_layer=3", f"hydra.run.dir={deeper}"], nproc=2, check=False, **FSDP_ON_CPU)
     assert proc.returncode != 0 and "step 1/" not in proc.stdout
     named(proc.stdout, f"trainer.init_weights={source}", "blocks.2.")
 
@@ -344,11 +348,8 @@ def test_on_two_gpus_each_rank_reads_its_slices_of_a_pretrained_folder_and_train
             "data.batch_size=4", "optimizer.lr=3e-2", "scheduler.warmup_steps=1", "trainer.max_steps=3",
             "trainer.checkpoint_every=0", "trainer.deterministic=true", *QUIET]
     whole, sliced = tmp_path / "whole", tmp_path / "sliced"
-    *launcher, script = launch_command("train.py", 2, "fsdp")
-    whole_copy_per_rank = [*launcher, "--fsdp_cpu_ram_efficient_loading", "false", script]
-    launched = {run_dir: run([*args, f"hydra.run.dir={run_dir}"], command=command, env=GPU_ENV)
-                for run_dir, command in ((whole, whole_copy_per_rank), (sliced, [*launcher, script]))}
-    assert "each rank reads its own slices of model.pretrained" in launched[sliced].stdout
-    assert banner_row(launched[sliced].stdout, "distributed type") == "DistributedType.FSDP"
+    launched = whole_copy_and_sliced(tmp_path, args, script="train.py", env=GPU_ENV)
+    assert "each rank reads its own slices of model.pretrained" in launched[sliced]
+    assert banner_row(launched[sliced], "distributed type") == "DistributedType.FSDP"
     assert scalars(whole, "train/loss") == scalars(sliced, "train/loss")
     assert max_abs_diff(exported_weights(whole), exported_weights(sliced)) == 0
