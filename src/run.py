@@ -39,7 +39,6 @@ from src.loop.train_state import TrainState
 from src.models.hub import fetch_from_hub
 from src.models.pretrained_slices import PretrainedSlices, load_slices, plan_slices
 from src.objectives.base import Objective
-from src.reporting.log_filters import hide_tied_weight_notices
 from src.schema.build import build
 from src.schema.complete import complete_config
 from src.schema.data_sizes import resolve_data_sizes
@@ -122,7 +121,6 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
         load_initial_weights(model, init_weights, cfg.model, data.codec, fingerprint,
                              read=holds_values(accelerator, read_in_slices=slices is not None))
         slices = slices.of_model(model) if slices is not None else None
-    hide_tied_weight_notices(model)  # accelerate's "Removed shared tensor" at every save, for the model's own ties
     if cfg.trainer.sync_batchnorm:
         model = sync_batchnorm(model, accelerator)
     objective = build(cfg.objective, group="objective")

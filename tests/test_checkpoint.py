@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from src.checkpointing.integrity import write_checksums
+from src.errors import UsageError
 from src.optim.schedules import warmup_cosine
 from tests.conftest import (
     QUIET,
@@ -231,7 +234,7 @@ def test_resume_accepts_and_logs_a_longer_max_steps_and_keeps_the_schedule_it_st
 
 
 def test_resume_from_a_truncated_checkpoint_names_the_file(finished_run):
-    optimizer_file = finished_run / "checkpoints" / "step_00000006" / "optimizer.bin"
+    optimizer_file = finished_run / "checkpoints" / "step_00000006" / "optimizer.safetensors"
     optimizer_file.write_bytes(optimizer_file.read_bytes()[:1000])
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
     refused(proc, str(optimizer_file), "resume=PATH")
@@ -241,16 +244,14 @@ def test_resume_from_a_truncated_checkpoint_names_the_file(finished_run):
 
 
 def test_resume_from_a_checkpoint_corrupted_mid_file_names_the_file(finished_run):
-    """The zip index is intact, only tensor bytes are wrong: torch.load alone would load them silently."""
-    import zipfile
-
-    optimizer_file = finished_run / "checkpoints" / "step_00000006" / "optimizer.bin"
+    """The header is intact, only tensor bytes are wrong: safetensors alone would load them silently."""
+    optimizer_file = finished_run / "checkpoints" / "step_00000006" / "optimizer.safetensors"
     data = bytearray(optimizer_file.read_bytes())
-    with zipfile.ZipFile(optimizer_file) as archive:
-        member = max(archive.infolist(), key=lambda info: info.file_size)
-    start = member.header_offset + 30 + len(member.filename) + len(member.extra) + 64
-    data[start : start + 16] = b"\xff" * 16
+    middle = len(data) // 2  # within the tensors: the header is a few kB at the start
+    data[middle : middle + 16] = bytes(255 - b for b in data[middle : middle + 16])
     optimizer_file.write_bytes(bytes(data))
+    with safe_open(optimizer_file, framework="pt"):  # the corruption passes safetensors' own check
+        pass
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
     refused(proc, str(optimizer_file), "CRC mismatch")
 
@@ -261,6 +262,7 @@ def test_resume_from_a_checkpoint_whose_model_shape_differs_names_the_tensor_and
     weights = load_file(model_file)
     weights["blocks.0.attn.proj.weight"] = weights["blocks.0.attn.proj.weight"][:-1].contiguous()
     save_file(weights, model_file, metadata={"format": "pt"})
+    write_checksums(model_file.parent)  # as if written so: the file is intact, the model no longer fits it
     before = snapshot(finished_run)
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
     refused(proc, str(model_file.parent), "blocks.0.attn.proj.weight", "torch.Size([31, 32])", "torch.Size([32, 32])")
@@ -268,9 +270,9 @@ def test_resume_from_a_checkpoint_whose_model_shape_differs_names_the_tensor_and
 
 
 def test_resume_without_the_rank_rng_state_fails_loudly(finished_run):
-    (finished_run / "checkpoints" / "step_00000006" / "random_states_0.pkl").unlink()
+    (finished_run / "checkpoints" / "step_00000006" / "random_states_0.safetensors").unlink()
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
-    refused(proc, str(finished_run / "checkpoints" / "step_00000006" / "random_states_0.pkl"))
+    refused(proc, str(finished_run / "checkpoints" / "step_00000006" / "random_states_0.safetensors"))
 
 
 def test_resume_from_an_explicit_checkpoint_path_continues_into_a_new_run_dir(finished_run, tmp_path):
@@ -282,41 +284,75 @@ def test_resume_from_an_explicit_checkpoint_path_continues_into_a_new_run_dir(fi
 
 
 def fsdp_shaped_checkpoint(directory: Path) -> Path:
-    """A checkpoint laid out as accelerate's save_state writes it under FSDP's sharded state dict: model and
-    optimizer as torch.distributed.checkpoint directories (written for real here, by one CPU process)."""
+    """A checkpoint laid out as the checkpointer writes it under FSDP: model and optimizer state as directories of
+    one safetensors file per rank (two ranks' halves here, written as src/checkpointing/plain_state.py's writer
+    lays them out), the optimizer's plain values, schedule and random state as JSON and safetensors."""
     import json as json_module
 
     import torch
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._hf_utils import (
+        CUSTOM_METADATA_KEY,
+        SAVED_OFFSETS_KEY,
+    )
 
-    model = torch.nn.Linear(64, 64)
+    from src.checkpointing.plain_state import save_tree, shard_file_name
+
     checkpoint = directory / "step_00000010"
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(checkpoint / "pytorch_model_fsdp_0"))
-    dcp.save({"optimizer": {"exp_avg": torch.randn(64, 64)}}, checkpoint_id=str(checkpoint / "optimizer_0"))
-    torch.save({"last_epoch": 10}, checkpoint / "scheduler.bin")
-    torch.save({"step": 10}, checkpoint / "random_states_0.pkl")
+    for state, prefix in (("pytorch_model_fsdp_0", "model"), ("optimizer_0", "optimizer.state.weight")):
+        (checkpoint / state).mkdir(parents=True)
+        whole = torch.randn(64, 64)
+        for rank in range(2):
+            name = f"{prefix}.exp_avg" if state == "optimizer_0" else f"{prefix}.weight"
+            offsets = {name: {SAVED_OFFSETS_KEY: [32 * rank, 0]}}
+            save_file({name: whole[32 * rank: 32 * (rank + 1)].contiguous()},
+                      checkpoint / state / shard_file_name(rank + 1, 2),
+                      metadata={CUSTOM_METADATA_KEY: json_module.dumps(offsets), "format": "pt"})
+    save_tree({"param_groups": [{"lr": 0.1, "params": ["weight"]}]}, checkpoint / "optimizer_0" / "plain_values.json")
+    save_tree({"last_epoch": 10}, checkpoint / "scheduler.json")
+    save_tree({"step": 10, "torch_manual_seed": torch.get_rng_state()}, checkpoint / "random_states_0.safetensors")
     (checkpoint / "train_state.json").write_text(json_module.dumps({"step": 10}))
     (checkpoint / "run_config.yaml").write_text("trainer: {}\n")
+    write_checksums(checkpoint)
     return checkpoint
 
 
-def test_sharded_checkpoint_directories_are_fsynced_and_accepted_and_a_truncated_shard_is_named(tmp_path):
+def test_sharded_checkpoint_directories_are_fsynced_and_accepted_and_a_truncated_or_missing_shard_is_named(
+        tmp_path):
     from src.checkpointing.checkpointer import _fsync_tree
     from src.checkpointing.integrity import check_readable
 
     checkpoint = fsdp_shaped_checkpoint(tmp_path)
     _fsync_tree(checkpoint)  # opens directories as directories, not as files
     check_readable(checkpoint)  # no model.safetensors, and that is fine here
-    shard = next((checkpoint / "optimizer_0").glob("*.distcp"))
+    shard = checkpoint / "optimizer_0" / "shard-00002-of-00002.safetensors"
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(Exception, match=rf"checkpoint file {checkpoint / 'optimizer_0'} is corrupt or truncated "
-                                        rf"\(shard {shard} holds 100 bytes"):
+    with pytest.raises(UsageError) as error:
         check_readable(checkpoint)
+    named(str(error.value), f"checkpoint file {checkpoint / 'optimizer_0'} is corrupt or truncated", str(shard))
     intact = fsdp_shaped_checkpoint(tmp_path / "other")
-    (intact / "pytorch_model_fsdp_0" / ".metadata").unlink()
-    with pytest.raises(Exception) as error:
+    (intact / "pytorch_model_fsdp_0" / "shard-00002-of-00002.safetensors").unlink()  # a rank's part lost
+    with pytest.raises(UsageError) as error:
         check_readable(intact)
-    named(str(error.value), "pytorch_model_fsdp_0/.metadata")
+    named(str(error.value), "pytorch_model_fsdp_0", "shard 2 of 2 is missing")
+
+
+def test_shards_that_leave_part_of_a_tensor_uncovered_are_refused(tmp_path):
+    """Every rank's file present and intact, yet one holds another part than it should: a hole in the tensor."""
+    import json as json_module
+
+    from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY
+
+    from src.checkpointing.integrity import check_readable
+
+    checkpoint = fsdp_shaped_checkpoint(tmp_path)
+    shard = checkpoint / "pytorch_model_fsdp_0" / "shard-00002-of-00002.safetensors"
+    with safe_open(shard, framework="pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    save_file(tensors, shard, metadata={CUSTOM_METADATA_KEY: json_module.dumps(
+        {"model.weight": {"saved_offsets": [40, 0]}}), "format": "pt"})  # rows 40-72 of 72: 32-40 uncovered
+    with pytest.raises(UsageError) as error:
+        check_readable(checkpoint)
+    named(str(error.value), "model.weight", "4096 of the 4608 values")
 
 
 def test_the_optimizer_step_after_a_background_sharded_save_waits_for_the_copy_of_the_shards():
@@ -332,9 +368,8 @@ def test_the_optimizer_step_after_a_background_sharded_save_waits_for_the_copy_o
     optimizer = torch.optim.SGD([weight], lr=1.0)
     checkpointer = Checkpointer.__new__(Checkpointer)  # only what a background sharded save reads
     checkpointer.accelerator = SimpleNamespace(_optimizers=[SimpleNamespace(optimizer=optimizer)])
-    checkpointer.sharded_groups, checkpointer.stagers, checkpointer.staging = [], [], []
-    with checkpointer._sharded_saves_in_background():
-        pass  # the run's first one: from here on every step waits for the copies in flight
+    checkpointer.staging = []
+    checkpointer._each_step_waits_for_the_copies()  # at the run's first one: from here on every step waits
     waited_on = []  # the weights as they were when the step waited for the copy
 
     class Copy(Future):

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from src.checkpointing.plain_state import load_tree
 from tests.conftest import (
     QUIET,
     ROOT,
@@ -36,8 +37,7 @@ def test_two_process_run_is_real_ddp_with_identical_replicas_own_dropout_streams
     assert len(fingerprints) == 2 and fingerprints[0] == fingerprints[1]
     # The same masks on both ranks would correlate the global batch's samples: each rank's stream is its own.
     checkpoint = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
-    rank_streams = [torch.load(checkpoint / f"random_states_{rank}.pkl", weights_only=False)["torch_manual_seed"]
-                    for rank in (0, 1)]
+    rank_streams = [load_tree(checkpoint / f"random_states_{rank}.safetensors")["torch_manual_seed"] for rank in (0, 1)]
     assert not torch.equal(*rank_streams)
     assert len(list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))) == 1
     assert sorted(p.name for p in run_dir.iterdir()) == [

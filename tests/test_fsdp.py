@@ -7,9 +7,7 @@ code on weights sharded by hand with torch's fully_shard. With a GPU, the gpu-ma
 user does.
 """
 
-import dataclasses
 import importlib.util
-import io
 import json
 import re
 from pathlib import Path
@@ -33,6 +31,7 @@ from tests.conftest import (
     run,
     scalars,
 )
+from tests.test_no_pickles import plain_files_only
 
 FSDP_ON_CPU = {"script": "tests/fsdp_on_cpu.py", "launcher": "fsdp"}
 # Global batch 16: 4 samples x 2 processes x 2 micro-steps; sharded checkpoints at steps 4, 8 and 12.
@@ -177,8 +176,10 @@ def test_a_killed_fsdp_run_resumes_bitwise_from_its_sharded_checkpoint(tmp_path,
     args = [*ARGS, *writing, f"hydra.run.dir={run_dir}"]
     kill_when(args, 2, ready=lambda: (run_dir / "checkpoints" / "step_00000008").is_dir(), **FSDP_ON_CPU)
     checkpoint = run_dir / "checkpoints" / "step_00000008"
-    for state in ("pytorch_model_fsdp_0", "optimizer_0"):  # one shard per process, not a gathered copy
-        assert len(list((checkpoint / state).glob("*.distcp"))) == 2 and (checkpoint / state / ".metadata").is_file()
+    for state in ("pytorch_model_fsdp_0", "optimizer_0"):  # one file per process, not a gathered copy, no pickle
+        assert {f.name for f in (checkpoint / state).glob("shard-*")} == {"shard-00001-of-00002.safetensors",
+                                                                         "shard-00002-of-00002.safetensors"}
+    plain_files_only(checkpoint)
     assert not (run_dir / "model").exists()
     proc = run([*args, "resume=auto"], nproc=2, **FSDP_ON_CPU)
     assert "resumed from" in proc.stdout
@@ -189,40 +190,24 @@ def test_a_killed_fsdp_run_resumes_bitwise_from_its_sharded_checkpoint(tmp_path,
     assert periodic and all(("written in the background" in line) == bool(writing) for line in periodic), periodic
 
 
-def test_a_pickle_planted_among_the_optimizers_sharded_values_is_refused_at_resume_and_never_runs(
+def test_a_pickle_planted_in_a_sharded_checkpoint_is_refused_at_resume_on_every_rank_and_never_runs(
         tmp_path, fsdp_run):
-    """The optimizer's param_groups are stored as pickled bytes in its shards, which torch.distributed.checkpoint
-    loads with weights_only=False: one replaced by a pickle that runs code is refused on every rank, naming it."""
-    import pickle
+    """torch.distributed.checkpoint's default files (a pickled .metadata, which torch reads with pickle.load, and
+    shards whose non-tensor values it unpickles with weights_only=False) are never written here; one planted in
+    their place stops the resume on every rank, naming it, before anything is read."""
     import shutil
 
-    import torch
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    from tests.test_no_pickles import Planted
+    from tests.test_no_pickles import plant
 
     run_dir, marker = tmp_path / "run", tmp_path / "ran"
     shutil.copytree(fsdp_run, run_dir)
     optimizer = run_dir / "checkpoints" / "step_00000012" / "optimizer_0"
-    metadata = FileSystemReader(str(optimizer)).read_metadata()
-    values = [index for index in metadata.storage_data
-              if isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)]
-    assert any(".param_groups." in index.fqn for index in values), values
-    target = values[0]
-    info = metadata.storage_data[target]
-    shard = optimizer / info.relative_path
-    planted = io.BytesIO()
-    torch.save(Planted(marker), planted)
-    offset = shard.stat().st_size
-    with open(shard, "ab") as out:  # appended, and the metadata pointed at it, as torch's writer would lay it out
-        out.write(planted.getvalue())
-    metadata.storage_data[target] = dataclasses.replace(info, offset=offset, length=len(planted.getvalue()))
-    (optimizer / ".metadata").write_bytes(pickle.dumps(metadata))
+    plain_files_only(optimizer.parent)
+    plant([optimizer / ".metadata"], marker)
     proc = run([*ARGS, "trainer.max_steps=13", "resume=auto", f"hydra.run.dir={run_dir}"], nproc=2, check=False,
                **FSDP_ON_CPU)
     assert proc.returncode != 0 and "step 13/" not in proc.stdout  # torch's launcher reports its ranks' exits
-    named(proc.stdout, f"{shard}, value {target.fqn}")
+    named(proc.stdout, str(optimizer / ".metadata"), "pickle format")
     assert not marker.exists()
 
 

@@ -54,7 +54,7 @@ def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step_with_one_checkpoi
     output, _ = proc.communicate(timeout=120)
     assert "stopping at step" in output and "on a signal to another rank" in output  # rank 0's account
     newest = sorted((stopped / "checkpoints").glob("step_*"))[-1]
-    assert {p.name for p in newest.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert {p.name for p in newest.glob("random_states_*")} == {f"random_states_{rank}.safetensors" for rank in (0, 1)}
     assert not (stopped / "model").exists()
     run([*args_for(stopped, max_steps), "resume=auto"], nproc=2, launcher="torchrun")
     assert scalars(stopped, "train/loss") == scalars(reference, "train/loss")
@@ -113,4 +113,4 @@ def test_ctrl_c_to_a_two_process_launch_stops_both_ranks_at_one_step_with_one_ch
     assert 50 < stopped_at < 100  # the step in progress or the next, not the next one that logs or saves
     newest = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     assert newest.name == f"step_{stopped_at:08d}"
-    assert {p.name for p in newest.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert {p.name for p in newest.glob("random_states_*")} == {f"random_states_{rank}.safetensors" for rank in (0, 1)}

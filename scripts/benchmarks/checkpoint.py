@@ -1,6 +1,7 @@
-"""checkpoint: the template's atomic save (accelerate's save_state, our metadata, an fsync of every file, the
-rename, rotation) against writing the same bytes to the same disk with open/write/fsync; and how long the loop
-waits for a save with trainer.async_checkpoint (the commit in the background), against the blocking save.
+"""checkpoint: the template's atomic save (src/checkpointing/training_state.py's safetensors and JSON, our
+metadata, a checksum and an fsync of every file, the rename, rotation) against writing the same bytes to the same
+disk with open/write/fsync; and how long the loop waits for a save with trainer.async_checkpoint (the commit in
+the background), against the blocking save.
 
 Both sides write the same files (the raw side copies the bytes of the template's first save), each after an
 os.sync so neither pays for the other's write-back, alternating which goes first; medians of the save times.
@@ -17,7 +18,7 @@ from scripts.benchmarks.common import ROOT, compose_config
 
 
 def checkpoint(args) -> dict:
-    """The template's atomic save (accelerate.save_state, metadata, fsync, rename) of a model and its AdamW
+    """The template's atomic save (safetensors and JSON, metadata, checksums, fsync, rename) of a model and its AdamW
     state, against writing the same bytes to the same disk with open/write/fsync."""
     import torch
     from accelerate import Accelerator

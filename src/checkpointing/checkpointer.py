@@ -6,44 +6,48 @@ and `export_final()` at the end; the checkpointer decides the rest. The config's
 checkpoint, and its saved config with the safe overrides) is decided before the model exists, in
 `resume_point`, which src/run.py calls.
 
-A save is atomic: accelerate's `save_state` writes into `checkpoints/.tmp-step_N`, our own state is added as
-JSON and safetensors (nothing of ours is pickled), every file is fsynced, and the folder is renamed into
-place, so a kill at any moment leaves the newest complete checkpoint as the one to resume from
+A save is atomic: the training's state (src/checkpointing/training_state.py: safetensors and JSON, nothing
+pickled) and ours (train_state.json, the config, the data's fingerprint, the EMA) are written into
+`checkpoints/.tmp-step_N`, rank 0 records a checksum of each of its files, every file is fsynced, and the folder is
+renamed into place, so a kill at any moment leaves the newest complete checkpoint as the one to resume from
 (src/checkpointing/layout.py). With trainer.async_checkpoint a periodic or best save holds the loop only while
 the state is copied to host memory (each rank writes its small random state at once); rank 0's thread then
-writes the files as save_state lays them out, fsyncs them and renames the folder (the commit) while training
-goes on. The next save, the final one, a stop's one and the export wait for it first, and a commit that failed
-stops every rank there. Sharded (FSDP) states go through accelerate's save_state as well, whose
-torch.distributed.checkpoint saves become its async_save: each rank copies its shards to host memory at the step,
-and a thread of each rank writes them, coordinating over a process group of its own (gloo), not the loop's; rank
-0's commit waits for its writes, which end only once every rank's shards are written (DCP's finishing step
-gathers them).
+writes the files, fsyncs them and renames the folder (the commit) while training goes on. The next save, the
+final one, a stop's one and the export wait for it first, and a commit that failed stops every rank there.
+Under FSDP each rank's shards go through torch.distributed.checkpoint's async_save instead: each rank copies its
+shards to host memory at the step, and a thread of each rank writes them, coordinating over a process group of
+its own (gloo), not the loop's; rank 0's commit waits for its writes, which end only once every rank's shards
+are written (DCP's finishing step gathers them).
 """
 
 import contextlib
-import copy
 import json
 import logging
 import os
-import random
 import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.checkpointing import save_accelerator_state
-from accelerate.utils import RNG_STATE_NAME, DistributedType
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_model
 
 from src.checkpointing.export import export_model
+from src.checkpointing.integrity import check_readable, write_checksums
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, EMA_FILE, STATE_FILE, complete_checkpoints, step_dir_name
 from src.checkpointing.load import load_checkpoint, seed_this_ranks_stream
 from src.checkpointing.resume import config_for_resume, resume_source
+from src.checkpointing.training_state import (
+    check_supported,
+    main_states,
+    save_random_states,
+    save_sharded,
+    sharded,
+    write_main_states,
+)
 from src.errors import UsageError
 from src.loop.train_state import TrainState, improves
 
@@ -54,6 +58,8 @@ def resume_point(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> tuple[
     """The checkpoint a run continues from (None: a fresh start) and the config it continues with: the
     checkpoint's own, plus the command line's overrides that are safe on a resume (src/checkpointing/resume.py)."""
     checkpoint = resume_source(cfg.resume, run_dir)  # refuses to write into another run's directory
+    if checkpoint:
+        check_readable(checkpoint)  # whole, uncorrupted, no pickle-format file: before its config is read
     return (checkpoint, config_for_resume(cfg, checkpoint, overrides)) if checkpoint else (None, cfg)
 
 
@@ -65,6 +71,7 @@ class Checkpointer:
     def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig, model: Optional[torch.nn.Module],
                  ema=None, codec=None, data_fingerprint: Optional[dict] = None, resume_from: Optional[Path] = None,
                  data_changed: bool = False, progress: Callable[[str], None] = lambda doing: None):
+        check_supported(accelerator)
         self.accelerator, self.cfg = accelerator, cfg
         self.progress = progress  # the hang watch hears of each part of a save and an export
         self.run_dir, self.root = run_dir, run_dir / "checkpoints"
@@ -162,8 +169,8 @@ class Checkpointer:
             self._stop_if_any_rank_failed(failure, tmp or self.root / ".tmp-unknown")
 
     def save(self, state: TrainState, blocking: bool = True) -> Path:
-        """Every rank must call this (save_state has each rank write its RNG state). `blocking=False`, with
-        trainer.async_checkpoint: returns once every rank's files are written, committing in the background."""
+        """Every rank must call this (each writes its random state, and its shards under FSDP). `blocking=False`,
+        with trainer.async_checkpoint: returns once every rank's files are written, committing in the background."""
         started = time.perf_counter()
         self.wait()
         accelerator, final = self.accelerator, self.root / step_dir_name(state.step)
@@ -177,20 +184,21 @@ class Checkpointer:
         accelerator.wait_for_everyone()
         self.progress(f"saving checkpoint {final.name}")
         in_background = self.in_background and not blocking
-        sharded = accelerator.distributed_type == DistributedType.FSDP
-        failure, write = None, None
+        main, failure, write = accelerator.is_main_process, None, None
         try:
-            if in_background and sharded:  # each rank's shards copied to host memory now, written by its thread
-                with self._sharded_saves_in_background() as writing:
-                    accelerator.save_state(str(tmp))
-                if accelerator.is_main_process:
+            if sharded(accelerator):  # every rank its shards; in the background, copied now and written by threads
+                save_sharded(accelerator, tmp, self._save_in_background if in_background else None)
+                save_random_states(accelerator, tmp)
+                if main:
                     self._save_our_state(tmp, state)
-                write = (lambda: [w.result() for w in writing]) if accelerator.is_main_process else None
+                    writing = self.writing
+                    write = (lambda: [w.result() for w in writing]) if in_background else None
             elif in_background:  # copied to host memory now, written by rank 0's thread
                 write = self._snapshot(tmp, state)
             else:
-                accelerator.save_state(str(tmp))
-                if accelerator.is_main_process:
+                save_random_states(accelerator, tmp)
+                if main:
+                    write_main_states(main_states(accelerator), tmp)
                     self._save_our_state(tmp, state)
         except Exception as error:  # a full or unwritable disk shows as OSError, RuntimeError or a library's own
             failure = error
@@ -211,43 +219,33 @@ class Checkpointer:
         accelerator.log({"checkpoint/blocking_s": time.perf_counter() - started}, step=state.step)
         return final
 
-    @contextlib.contextmanager
-    def _sharded_saves_in_background(self):
-        """Within it, accelerate's torch.distributed.checkpoint.save calls are async_save calls, each on a process
-        group of its own: each is staged (its shards copied to host memory) and written by threads of its own,
-        whose collectives must interleave neither with the loop's nor with the other state's (the weights and the
-        optimizer state write at once). The loop goes on meanwhile: the next forward and backward only read the
-        shards, and the next optimizer step, the first to change them, waits for the copies (a step pre-hook, as
-        torchtitan waits for its staging). Yields the list the writes' futures go to, kept until the next
-        wait(). accelerate lays out the files as ever."""
+    def _save_in_background(self, state_dict: dict, storage_writer) -> None:
+        """torch.distributed.checkpoint.save's place under FSDP with trainer.async_checkpoint: async_save, each
+        call on a process group of its own, so that its threads' collectives interleave neither with the loop's nor
+        with the other state's (the weights and the optimizer state write at once). Each is staged (its shards
+        copied to host memory) and written by threads of its own while the loop goes on: the next forward and
+        backward only read the shards, and the next optimizer step, the first to change them, waits for the copies
+        (a step pre-hook, as torchtitan waits for its staging). The writes' futures are kept until wait()."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        save, writing = dcp.save, []
-        if not self.sharded_groups:  # the first such save: from now on every optimizer step waits for its copies
-            for optimizer in self.accelerator._optimizers:  # what save_state saves (accelerate keeps no public list)
-                optimizer.optimizer.register_step_pre_hook(lambda *_: self._wait_for_staging())
+        if not self.sharded_groups:  # the first such save
+            self._each_step_waits_for_the_copies()
+        index = len(self.writing)  # every rank saves the same states in the same order
+        if len(self.sharded_groups) == index:
+            self.sharded_groups.append(dist.new_group(backend="gloo"))
+            on_gpu = torch.cuda.is_available()  # pinned host memory and non-blocking copies only from a GPU
+            self.stagers.append(DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
+                                                             use_async_staging=True, use_non_blocking_copy=on_gpu)))
+        response = dcp.async_save(state_dict, storage_writer=storage_writer, process_group=self.sharded_groups[index],
+                                  async_stager=self.stagers[index])
+        self.staging.append(response.staging_completion)
+        self.writing.append(response.upload_completion)
 
-        def save_in_background(state_dict, **options) -> None:
-            options.pop("process_group", None)
-            if len(self.sharded_groups) == len(writing):  # every rank saves the same states in the same order
-                self.sharded_groups.append(dist.new_group(backend="gloo"))
-                on_gpu = torch.cuda.is_available()  # pinned host memory and non-blocking copies only from a GPU
-                self.stagers.append(DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=False,
-                                                                 use_async_staging=True,
-                                                                 use_non_blocking_copy=on_gpu)))
-            response = dcp.async_save(state_dict, process_group=self.sharded_groups[len(writing)],
-                                      async_stager=self.stagers[len(writing)], **options)
-            self.staging.append(response.staging_completion)
-            writing.append(response.upload_completion)
-
-        dcp.save = save_in_background
-        try:
-            yield writing
-        finally:
-            dcp.save = save
-            self.writing = writing
+    def _each_step_waits_for_the_copies(self) -> None:
+        for optimizer in self.accelerator._optimizers:  # accelerate keeps no public list of them
+            optimizer.optimizer.register_step_pre_hook(lambda *_: self._wait_for_staging())
 
     def _wait_for_staging(self) -> None:
         """Until every shard of the saves in flight is copied to host memory (a failed copy is reported by the
@@ -258,28 +256,15 @@ class Checkpointer:
         self.staging = []
 
     def _snapshot(self, tmp: Path, state: TrainState) -> Optional[Callable[[], None]]:
-        """What accelerate's save_state writes, taken now: each rank writes its random state at once (it is
-        small); rank 0 copies the weights, optimizer, schedule and scaler states to host memory and returns the
-        writing of them, as save_state lays them out, for its thread. Our own state is written now."""
-        accelerator = self.accelerator
-        rng = random_states(accelerator.step)
-        torch.save(rng, tmp / f"{RNG_STATE_NAME}_{accelerator.process_index}.pkl")
-        if not accelerator.is_main_process:
+        """A save without FSDP, taken now: each rank writes its random state at once (it is small); rank 0 copies
+        the weights, optimizer, schedule and scaler states to host memory and returns the writing of them, for its
+        thread. Our own state is written now."""
+        save_random_states(self.accelerator, tmp)
+        if not self.accelerator.is_main_process:
             return None
-        # accelerate keeps the prepared objects in these lists; save_state reads them the same way.
-        weights = [on_host(accelerator.get_state_dict(model, unwrap=False)) for model in accelerator._models]
-        optimizers = [Frozen(on_host(optimizer.state_dict())) for optimizer in accelerator._optimizers]
-        schedulers = [Frozen(copy.deepcopy(scheduler.state_dict())) for scheduler in accelerator._schedulers]
-        scaler = Frozen(copy.deepcopy(accelerator.scaler.state_dict())) if accelerator.scaler is not None else None
-        dataloaders, process_index, step = accelerator._dataloaders, accelerator.process_index, accelerator.step
+        states = main_states(self.accelerator, on_host=True)
         self._save_our_state(tmp, state)
-
-        def write() -> None:
-            save_accelerator_state(str(tmp), weights, optimizers, schedulers, dataloaders, process_index, step,
-                                   scaler)
-            torch.save(rng, tmp / f"{RNG_STATE_NAME}_{process_index}.pkl")  # it wrote this thread's, later one
-
-        return write
+        return lambda: write_main_states(states, tmp)
 
     def _commit(self, tmp: Path, final: Path, best_step: Optional[int], started: float,
                 write: Optional[Callable[[], None]] = None) -> None:
@@ -287,6 +272,7 @@ class Checkpointer:
         checkpoint, then rotation."""
         if write is not None:
             write()
+        write_checksums(tmp)  # what a resume compares each file against (safetensors keeps no checksum)
         _fsync_tree(tmp)
         tmp.rename(final)  # the commit point: atomic on POSIX filesystems
         size_mb = _tree_size(final) / 2**20
@@ -301,8 +287,8 @@ class Checkpointer:
             self.commit_failed = (error, tmp)
 
     def _save_our_state(self, directory: Path, state: TrainState) -> None:
-        """What accelerate's save_state does not hold, as JSON and safetensors: accelerate would pickle a
-        registered object (custom_checkpoint_N.pkl) and unpickle it on load with weights_only=False."""
+        """Ours beside the training's state: the position, the config, the data's fingerprint, the EMA (JSON, YAML
+        and safetensors)."""
         (directory / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=2))
         OmegaConf.save(self.cfg, directory / CONFIG_FILE, resolve=True)
         (directory / DATA_FILE).write_text(json.dumps(self.data_fingerprint, indent=2))
@@ -338,45 +324,6 @@ class Checkpointer:
         for old in rotating[: max(0, len(rotating) - self.keep_last)]:
             shutil.rmtree(old)
             log.info("removed old checkpoint %s", old)
-
-
-class Frozen:
-    """A state dict taken earlier, offered as save_accelerator_state asks for one (.state_dict())."""
-
-    def __init__(self, state: dict):
-        self.state = state
-
-    def state_dict(self) -> dict:
-        return self.state
-
-
-def on_host(tree):
-    """Every tensor of a (nested) state dict copied to host memory, tensors that share storage (tied weights)
-    still shared, so that the copy is saved as the original would be."""
-    copies = {}
-
-    def copy_of(value):
-        if isinstance(value, torch.Tensor):
-            key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
-            if key not in copies:
-                copies[key] = value.detach().to("cpu", copy=True)
-            return copies[key]
-        if isinstance(value, dict):
-            return type(value)((k, copy_of(v)) for k, v in value.items())
-        if isinstance(value, (list, tuple)):
-            return type(value)(copy_of(v) for v in value)
-        return value
-
-    return copy_of(tree)
-
-
-def random_states(step: int) -> dict:
-    """This process's random state as accelerate's save_state records it (random_states_<rank>.pkl)."""
-    states = {"step": step, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
-              "torch_manual_seed": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
-    return states
 
 
 def _fsync_tree(directory: Path) -> None:

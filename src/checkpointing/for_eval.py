@@ -14,7 +14,10 @@ from src.errors import UsageError
 
 
 def run_config_for(path: Path) -> DictConfig:
-    """The training config that produced an exported model or checkpoint (for eval.py)."""
+    """The training config that produced an exported model or checkpoint (for eval.py); a checkpoint is checked
+    whole first (integrity.check_readable), before its config is read."""
+    if (path / CONFIG_FILE).is_file():
+        check_readable(path)
     for candidate in (path / CONFIG_FILE, path.parent / RUN_CONFIG, path.parent.parent / RUN_CONFIG):
         if candidate.is_file():
             cfg = OmegaConf.load(candidate)
@@ -25,8 +28,8 @@ def run_config_for(path: Path) -> DictConfig:
 
 
 def load_checkpointed_model(checkpoint: Path, run_cfg: DictConfig) -> torch.nn.Module:
-    """The model of a checkpoint, rebuilt from its run's config alone (data-derived sizes are saved resolved)."""
-    check_readable(checkpoint)
+    """The model of a checkpoint run_config_for has checked, rebuilt from its run's config alone (data-derived
+    sizes are saved resolved)."""
     model = instantiate(run_cfg.model, _convert_="all")
     with model_must_fit(f"checkpoint {checkpoint}"):
         load_model(model, checkpoint / "model.safetensors", strict=True)

@@ -1,121 +1,137 @@
-"""A checkpoint is checked whole before anything of it is loaded: every file present, none truncated."""
+"""A checkpoint is checked whole before anything of it is loaded: every file present, none truncated or corrupted,
+and none in a pickle format.
 
-import dataclasses
-import enum
-import importlib
-import io
+Nothing of a checkpoint is ever unpickled (src/checkpointing/training_state.py writes safetensors and JSON only),
+so a file in a pickle format (torch.save's .bin/.pt/.pkl, torch.distributed.checkpoint's .metadata and .distcp) is
+not ours: an earlier version of this template or accelerate's save_state wrote it, or someone planted it. It is
+refused, named, unread. safetensors checks its header against the file's size, not the bytes of the tensors, so
+rank 0 records a CRC-32 of every file it writes (checksums.json) and the check compares them: a file corrupted in
+the middle would otherwise load silently. The shards of an FSDP checkpoint, written by every rank, are checked for
+their headers and for covering every tensor whole.
+"""
+
 import json
-import pickle
-import re
-import zipfile
+import zlib
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
 from src.checkpointing.layout import CONFIG_FILE, STATE_FILE
+from src.checkpointing.plain_state import SHARD_FILE
+from src.checkpointing.training_state import (
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    SCHEDULER_FILE,
+    SHARDED_MODEL,
+    SHARDED_OPTIMIZER,
+)
 from src.errors import UsageError
 
-# What accelerate.save_state writes for the model and the optimizer: a file, or under FSDP's sharded state
-# dict a torch.distributed.checkpoint directory (.metadata + .distcp shards).
-MODEL_STATES = ("model.safetensors", "pytorch_model.bin", "pytorch_model_fsdp_0.bin", "pytorch_model_fsdp_0")
-
-
-OPTIMIZER_STATES = ("optimizer.bin", "optimizer_0.bin", "optimizer_0")
+CHECKSUMS = "checksums.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".distcp", ".metadata")
 
 
 def check_readable(checkpoint: Path) -> None:
-    """A clear error naming the file for a truncated or corrupt checkpoint, before anything is loaded.
-
-    The CRC check reads every torch file once more, deliberately: torch.load does not verify CRCs, so a
-    file corrupted in the middle would otherwise load silently (verified: 16 bad bytes in optimizer.bin).
-    """
-    for alternatives in (MODEL_STATES, OPTIMIZER_STATES, ("scheduler.bin",), (STATE_FILE,), (CONFIG_FILE,)):
+    """A clear error naming the file for a truncated, corrupt, incomplete or pickle-format checkpoint, before
+    anything is loaded."""
+    for pickled in sorted(checkpoint.rglob("*")):
+        if pickled.suffix in PICKLE_SUFFIXES or pickled.name == ".metadata":
+            remedy = (f", or start a new run from its weights with trainer.init_weights={checkpoint}"
+                      if (checkpoint / MODEL_FILE).is_file() else "")
+            raise UsageError(f"checkpoint file {pickled} is in a pickle format, which this template never writes "
+                             "and never reads (unpickling can run code): refused, nothing of it was read. An "
+                             "earlier version of this template, accelerate's save_state or someone else wrote it. "
+                             f"Resume from a checkpoint this version wrote{remedy}.")
+    for alternatives in ((MODEL_FILE, f"{SHARDED_MODEL}_0"), (OPTIMIZER_FILE, f"{SHARDED_OPTIMIZER}_0"),
+                         (SCHEDULER_FILE,), (STATE_FILE,), (CONFIG_FILE,)):
         if not any((checkpoint / name).exists() for name in alternatives):
             raise UsageError(f"checkpoint {checkpoint} is incomplete: {checkpoint / alternatives[0]} is missing"
                              + (f" (nor {', '.join(alternatives[1:])})" if len(alternatives) > 1 else ""))
+    recorded = _recorded_checksums(checkpoint)
     for file in sorted(checkpoint.iterdir()):
         try:
             if file.is_dir():
-                _check_sharded_state(file)
-            elif file.suffix == ".safetensors":
+                _check_shards(file)
+                continue
+            if file.name in recorded and checksum(file) != recorded[file.name]:
+                raise ValueError(f"CRC mismatch: its content is not what was written ({CHECKSUMS})")
+            if file.suffix == ".safetensors":
                 with safe_open(file, framework="pt"):  # validates the header against the file size
                     pass
-            elif file.suffix in (".bin", ".pt", ".pkl"):
-                with zipfile.ZipFile(file) as archive:  # torch.save's format; truncation breaks its index
-                    if archive.testzip() is not None:
-                        raise ValueError("CRC mismatch")
             elif file.suffix == ".json":
                 json.loads(file.read_text())
-        except pickle.UnpicklingError as error:
-            raise UsageError(f"checkpoint file {file}: {error}; nothing of it was executed. Resume only from "
-                             "checkpoints this template wrote") from None
         except Exception as error:
             raise UsageError(f"checkpoint file {file} is corrupt or truncated ({error}); "
-                             f"resume from an older checkpoint with resume=PATH") from error
+                             f"resume from an older checkpoint with resume=PATH") from None
+    missing = sorted(name for name in recorded if not (checkpoint / name).is_file())
+    if missing:
+        raise UsageError(f"checkpoint {checkpoint} is incomplete: {checkpoint / missing[0]} is missing ({CHECKSUMS} "
+                         "lists it); resume from an older checkpoint with resume=PATH")
 
 
-def _check_sharded_state(directory: Path) -> None:
-    """A torch.distributed.checkpoint directory: its metadata loads, every shard holds the bytes it lists, and its
-    values that are not tensors are plain values."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not (directory / ".metadata").is_file():
-        raise ValueError(f"{directory / '.metadata'} is missing")
-    _MetadataOnly(io.BytesIO((directory / ".metadata").read_bytes())).load()  # before torch unpickles it
-    metadata = FileSystemReader(str(directory)).read_metadata()
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        shard = directory / name
-        actual = shard.stat().st_size if shard.is_file() else None
-        if actual is None or actual < size:
-            raise ValueError(f"shard {shard} holds {actual or 0} bytes, the metadata lists {size}")
-    _check_plain_values(directory, metadata)
+def checksum(file: Path) -> str:
+    crc = 0
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
-def _check_plain_values(directory: Path, metadata) -> None:
-    """torch.distributed.checkpoint stores what is not a tensor (an optimizer's learning rates, betas, parameter
-    names...) as torch.save'd bytes inside the shards, and its load planner unpickles them with
-    weights_only=False: a planted one would run code on every rank at resume. Each is read here first with
-    torch's weights-only loader, which builds nothing but plain values."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+def write_checksums(directory: Path) -> None:
+    """Rank 0, before the commit: a CRC-32 of each file directly in `directory` (the shards of FSDP, written by
+    every rank, are checked by their headers and coverage instead)."""
+    files = [file for file in sorted(directory.iterdir()) if file.is_file() and file.name != CHECKSUMS]
+    sums = {file.name: checksum(file) for file in files}
+    (directory / CHECKSUMS).write_text(json.dumps(sums, indent=2))
 
-    for index, info in metadata.storage_data.items():
-        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            continue
-        where = f"{directory / info.relative_path}, value {index.fqn}"
-        if info.transform_descriptors:  # compression and the like: torch's default writer, which we use, adds none
-            raise pickle.UnpicklingError(f"refused: {where} is stored through {list(info.transform_descriptors)}")
-        with open(directory / info.relative_path, "rb") as shard:
-            shard.seek(info.offset)
-            value = shard.read(info.length)
+
+def _recorded_checksums(checkpoint: Path) -> dict:
+    file = checkpoint / CHECKSUMS
+    if not file.is_file():
+        raise UsageError(f"checkpoint {checkpoint} is incomplete: {file} is missing")
+    try:
+        return json.loads(file.read_text())
+    except ValueError as error:
+        raise UsageError(f"checkpoint file {file} is corrupt or truncated ({error}); resume from an older "
+                         "checkpoint with resume=PATH") from None
+
+
+def _check_shards(directory: Path) -> None:
+    """A sharded state (training_state.save_sharded): each of the n ranks' files present with a valid header, and
+    the shards of each tensor covering it whole, so that no rank's part is missing."""
+    from torch.distributed.checkpoint._hf_utils import (
+        CUSTOM_METADATA_KEY,
+        SAVED_OFFSETS_KEY,
+    )
+
+    shards = sorted(directory.glob("*.safetensors"))
+    counts = {int(SHARD_FILE.fullmatch(shard.name).group(2)) for shard in shards if SHARD_FILE.fullmatch(shard.name)}
+    if len(counts) != 1:
+        raise ValueError(f"{directory} holds no complete set of shard-<i>-of-<n>.safetensors files")
+    (count,) = counts
+    for index in range(1, count + 1):
+        if not any(int(SHARD_FILE.fullmatch(s.name).group(1)) == index for s in shards if SHARD_FILE.fullmatch(s.name)):
+            raise ValueError(f"shard {index} of {count} is missing from {directory}")
+    covered: dict[str, int] = {}
+    extent: dict[str, list[int]] = {}
+    for shard in shards:
         try:
-            torch.load(io.BytesIO(value), weights_only=True)
-        except pickle.UnpicklingError as error:
-            named = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
-            raise pickle.UnpicklingError(f"refused: {where} names {named.group(1) if named else 'an object'}, "
-                                         "which could run code") from None
-
-
-class _MetadataOnly(pickle.Unpickler):
-    """torch.distributed.checkpoint reads its `.metadata` with a plain pickle.load: a planted one would run code
-    on every rank at resume. Read first with this, it may build nothing but the metadata's own dataclasses and
-    enums, torch's dtypes, sizes and layouts, and paths; anything else is refused (Python's "Restricting
-    Globals" recipe)."""
-
-    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-               "torch.distributed.checkpoint.planner")
-
-    def find_class(self, module: str, name: str):
-        if module in self.MODULES:
-            found = getattr(importlib.import_module(module), name, None)  # torch's own modules, no others
-            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
-                return found
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        elif (module, name) in (("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                                ("pathlib", "WindowsPath"), ("collections", "OrderedDict")):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refused: the metadata names {module}.{name}, which could run code")
+            with safe_open(shard, framework="pt") as tensors:  # the header against the file's size
+                offsets = json.loads((tensors.metadata() or {}).get(CUSTOM_METADATA_KEY, "{}"))
+                for name in tensors.keys():
+                    shape = tensors.get_slice(name).get_shape()
+                    start = offsets.get(name, {}).get(SAVED_OFFSETS_KEY, [0] * len(shape))
+                    size = 1
+                    for length in shape:
+                        size *= length
+                    covered[name] = covered.get(name, 0) + size
+                    whole = extent.setdefault(name, [0] * len(shape))
+                    extent[name] = [max(w, s + n) for w, s, n in zip(whole, start, shape)]
+        except Exception as error:
+            raise ValueError(f"shard {shard}: {error}") from None
+    for name, count in covered.items():
+        size = 1
+        for length in extent[name]:
+            size *= length
+        if count != size:
+            raise ValueError(f"the shards in {directory} hold {count} of the {size} values of {name}")

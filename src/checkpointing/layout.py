@@ -1,12 +1,13 @@
-"""Checkpoints that never lose a run.
+"""Checkpoints that never lose a run. No file of one is a pickle: safetensors, JSON and YAML only.
 
 Layout of a run directory:
     checkpoints/step_00000500/    complete checkpoints only (written elsewhere, then renamed into place)
-        model.safetensors, optimizer.bin, scheduler.bin, [scaler.pt], random_states_<rank>.pkl
-                                  (accelerate.save_state; every rank writes its own RNG state; the torch
-                                  files are only read with torch.load(weights_only=True))
-        ema.safetensors           trainer.ema_decay: the average of the weights (ours, no pickle)
-        train_state.json          step, epoch, position in the epoch, best metric (ours: JSON, no pickle)
+        model.safetensors, optimizer.safetensors, scheduler.json, [scaler.json], random_states_<rank>.safetensors
+                                  (src/checkpointing/training_state.py; every rank writes its own random state;
+                                  under FSDP pytorch_model_fsdp_0/ and optimizer_0/ hold a file per rank)
+        checksums.json            a CRC-32 of each file rank 0 wrote, compared before a resume reads anything
+        ema.safetensors           trainer.ema_decay: the average of the weights
+        train_state.json          step, epoch, position in the epoch, best metric
         run_config.yaml           the resolved config the run was started with
         data.json                 the data's fingerprint: a resume on other data is refused
     checkpoints/.tmp-step_.../    a save in progress; never resumed from, removed by the next save

@@ -3,20 +3,19 @@
 import contextlib
 import json
 import logging
-import pickle
 from pathlib import Path
 from typing import Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import load as safe_load
 from accelerate.utils import set_seed
 from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import load_model
 
-from src.checkpointing.integrity import check_readable
+from src.checkpointing import training_state
 from src.checkpointing.layout import DATA_FILE, EMA_FILE, STATE_FILE
+from src.checkpointing.training_state import random_states_file
 from src.data.tokenizer import Codec
 from src.errors import UsageError
 from src.loop.train_state import TrainState
@@ -26,37 +25,29 @@ log = logging.getLogger(__name__)
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainState, seed: int, ema=None,
                     restart_epoch: bool = False) -> None:
-    """Restore model, optimizer, scheduler, scaler, the EMA, RNG states and counters (after accelerator.prepare).
+    """Restore model, optimizer, scheduler, scaler, the EMA, RNG states and counters (after accelerator.prepare),
+    from a checkpoint integrity.check_readable has passed (resume_point checks it before its config is read).
 
     `state` holds this launch's layout; the checkpoint may have been written by another one of the same
     global batch (src/loop/accumulation.py: every step then sees the same samples). `restart_epoch`: the data
     changed (trainer.resume_with_changed_data), so a position within the epoch means nothing: the next begins.
     """
-    check_readable(checkpoint)
     saved = json.loads((checkpoint / STATE_FILE).read_text())
     same_layout = _check_layout(saved, state, checkpoint)
-    rng_file = checkpoint / f"random_states_{accelerator.process_index}.pkl"
+    rng_file = checkpoint / random_states_file(accelerator.process_index)
     if same_layout and not rng_file.is_file():
         raise UsageError(f"{rng_file} is missing: the random state of rank {accelerator.process_index} cannot be "
                          "restored, so resuming would not be exact")
-    start_anew = f"start a new run from its weights with trainer.init_weights={checkpoint}"
-    for pickled in sorted(checkpoint.glob("custom_checkpoint_*.pkl")):
-        raise UsageError(f"{pickled} is an object pickled by accelerate's register_for_checkpointing (an earlier "
-                         "version of this template kept trainer.ema_decay's average there): it is never loaded, "
-                         f"since unpickling it could run code. Resume from another checkpoint, or {start_anew}")
     if ema is not None and not (checkpoint / EMA_FILE).is_file():
         raise UsageError(f"{checkpoint / EMA_FILE} is missing: trainer.ema_decay's average cannot be restored. "
-                         f"Resume from another checkpoint, or {start_anew}")
-    with model_must_fit(f"checkpoint {checkpoint}"), refused_pickles_named(checkpoint):
-        accelerator.load_state(str(checkpoint))  # every torch file with torch.load(weights_only=True)
+                         f"Resume from another checkpoint, or start a new run from its weights with "
+                         f"trainer.init_weights={checkpoint}")
+    with model_must_fit(f"checkpoint {checkpoint}"):
+        training_state.load(accelerator, checkpoint, with_random_states=rng_file.is_file())
     if ema is not None:  # written by rank 0, read by every rank: each keeps the same average
         with model_must_fit(f"checkpoint {checkpoint}"):
             load_model(ema, checkpoint / EMA_FILE, strict=True, device=str(accelerator.device))
-    if same_layout:
-        # accelerate only logs "Could not load random states" at INFO when RNG restore fails: verify it.
-        if not torch.equal(torch.get_rng_state(), safe_load(rng_file)["torch_manual_seed"]):
-            raise RuntimeError(f"the RNG state in {rng_file} was not restored; resuming would not be exact")
-    elif not rng_file.is_file():  # a rank the writing run did not have: its own stream, not rank 0's copy
+    if not rng_file.is_file():  # a rank the writing run did not have: its own stream, not rank 0's copy
         seed_this_ranks_stream(seed, saved["step"], accelerator.process_index)
     state.load_state_dict({key: value for key, value in saved.items() if key in POSITION_KEYS})
     if restart_epoch and state.samples_into_epoch:
@@ -100,25 +91,6 @@ def _check_layout(saved: dict, state: TrainState, checkpoint: Path) -> bool:
         "augmentation from the global RNG) continues statistically, not bitwise, the same.",
         written.layout(), state.layout())
     return False
-
-
-@contextlib.contextmanager
-def refused_pickles_named(checkpoint: Path):
-    """torch's weights-only loader refuses a pickle that would build anything but tensors and plain values
-    (code included); its error does not say which file. This one does, and nothing of it is executed."""
-    try:
-        yield
-    except pickle.UnpicklingError as error:
-        for file in sorted(checkpoint.rglob("*")):
-            if file.suffix in (".bin", ".pkl", ".pt"):
-                try:
-                    safe_load(file, map_location="cpu")  # as accelerate loads it: weights only
-                except pickle.UnpicklingError:
-                    raise UsageError(f"checkpoint file {file} holds a pickle that would build objects other than "
-                                     "tensors and plain values (it could run code): refused, nothing of it was "
-                                     "executed. Resume only from checkpoints this template wrote.") from None
-        raise UsageError(f"checkpoint {checkpoint}: a file was refused by torch's weights-only loader "
-                         f"({str(error).splitlines()[0]})") from None
 
 
 RESUME_REMEDY = ("The model's code has changed since the checkpoint was written: resume with the code that wrote it "

@@ -2,9 +2,8 @@
 
 torch's own AveragedModel keeps it (one fused lerp over all tensors per optimizer step, buffers included,
 so BatchNorm statistics are averaged too). Every rank keeps the same copy, because evaluation is sharded
-over ranks. The checkpointer saves it as safetensors beside accelerate's state (not accelerate's
-register_for_checkpointing, which pickles it and unpickles with weights_only=False), so a resumed run
-continues the same average bitwise.
+over ranks. The checkpointer saves it as safetensors beside the training's state (not accelerate's
+register_for_checkpointing, which pickles it), so a resumed run continues the same average bitwise.
 """
 
 from typing import Optional

@@ -1,0 +1,223 @@
+"""The training's own state in a checkpoint: weights, optimizer, schedule, GradScaler and every rank's random
+streams, in files that hold no pickle (src/checkpointing/plain_state.py).
+
+Not accelerate's save_state/load_state, which lay out the same states but pickle the optimizer, schedule, scaler
+and random states (optimizer.bin, scheduler.bin, scaler.pt, random_states_N.pkl), as torch.distributed.checkpoint's
+default files pickle their metadata: reading a pickle back can run code. The files, one per object given to
+accelerator.prepare (a second model, optimizer or schedule is numbered _1, as accelerate numbers them):
+
+    model.safetensors                 the weights, as the model names them (the same on any number of processes)
+    optimizer.safetensors             the optimizer's state
+    scheduler.json, scaler.json       the schedule's and (fp16) the GradScaler's state
+    random_states_<rank>.safetensors  each rank's random streams: Python's, numpy's, torch's (and CUDA's), and
+                                      accelerate's micro-step count
+
+Under FSDP2 the weights and the optimizer's state stay sharded: `pytorch_model_fsdp_0/` and `optimizer_0/` hold one
+safetensors file per rank, which any number of ranks reads back (resharded); the optimizer's values that are not
+tensors (its param_groups: learning rates, betas, parameter names) are `optimizer_0/plain_values.json`.
+"""
+
+import copy
+import random
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from safetensors.torch import load_model, save_file
+
+from src.checkpointing.export import without_tied_copies
+from src.checkpointing.plain_state import (
+    load_tree,
+    merge,
+    save_tree,
+    sharded_reader,
+    sharded_writer,
+    split_tensors,
+)
+from src.errors import UsageError
+
+MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
+SCHEDULER_FILE, SCALER_FILE = "scheduler.json", "scaler.json"
+SHARDED_MODEL, SHARDED_OPTIMIZER = "pytorch_model_fsdp", "optimizer"  # directories <name>_<i>, as accelerate's
+PLAIN_VALUES = "plain_values.json"
+
+
+def random_states_file(rank: int) -> str:
+    return f"random_states_{rank}.safetensors"
+
+
+def numbered(name: str, index: int) -> str:
+    """The file of the index-th model, optimizer or schedule: model.safetensors, model_1.safetensors, ..."""
+    stem, dot, suffix = name.partition(".")
+    return name if index == 0 else f"{stem}_{index}{dot}{suffix}"
+
+
+def sharded(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def check_supported(accelerator: Accelerator) -> None:
+    """The layouts whose state this module saves: one process, DDP, and FSDP2 with sharded state dicts."""
+    kind = accelerator.distributed_type
+    if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA):
+        raise UsageError(f"distributed_type {kind.value} (your accelerate config) is not supported: its checkpoints "
+                         "are its own. Use one process, DDP (MULTI_GPU) or FSDP (config/accelerate/fsdp.yaml).")
+    if kind == DistributedType.FSDP:
+        plugin = accelerator.state.fsdp_plugin
+        state_dict_type = getattr(plugin.state_dict_type, "name", plugin.state_dict_type)
+        if plugin.fsdp_version != 2 or state_dict_type != "SHARDED_STATE_DICT":
+            raise UsageError(
+                f"fsdp_config has fsdp_version {plugin.fsdp_version} and fsdp_state_dict_type {state_dict_type}; "
+                "checkpoints are written for fsdp_version: 2 with fsdp_state_dict_type: SHARDED_STATE_DICT (as "
+                "config/accelerate/fsdp.yaml sets them; the export gathers the whole model either way)")
+
+
+# ------------------------------------------------------------------------------------------------------- saving
+
+def main_states(accelerator: Accelerator, on_host: bool = False) -> dict[str, Any]:
+    """What rank 0 writes of a checkpoint without FSDP: file name -> state. `on_host`: copies in host memory, for a
+    thread to write while training goes on (tensors that share storage, tied weights, still share it)."""
+    taken = _on_host if on_host else (lambda tree: tree)
+    states = {}
+    for i, model in enumerate(accelerator._models):  # the prepared objects, as save_state reads them
+        unwrapped = _unwrapped(accelerator, model)  # tied weights once, under the name the export keeps
+        states[numbered(MODEL_FILE, i)] = taken(without_tied_copies(unwrapped.state_dict(), unwrapped))
+    states.update({numbered(OPTIMIZER_FILE, i): taken(optimizer.state_dict())
+                   for i, optimizer in enumerate(accelerator._optimizers)})
+    return {**states, **_small_states(accelerator)}
+
+
+def _small_states(accelerator: Accelerator) -> dict[str, Any]:
+    """The schedules' and the GradScaler's states (copies: a few numbers)."""
+    states = {numbered(SCHEDULER_FILE, i): copy.deepcopy(scheduler.state_dict())
+              for i, scheduler in enumerate(accelerator._schedulers)}
+    if accelerator.scaler is not None:
+        states[SCALER_FILE] = accelerator.scaler.state_dict()
+    return states
+
+
+def write_main_states(states: dict[str, Any], directory: Path) -> None:
+    for name, state in states.items():
+        if name.startswith("model"):  # load_model ties them again
+            save_file(state, str(directory / name), metadata={"format": "pt"})
+        else:
+            save_tree(state, directory / name)
+
+
+def save_sharded(accelerator: Accelerator, directory: Path, save: Optional[Callable] = None) -> None:
+    """Every rank: its shards of the weights and the optimizer's state (FSDP2), through `save`
+    (torch.distributed.checkpoint.save, or the checkpointer's saving in the background), and rank 0 the rest."""
+    from torch.distributed.checkpoint import save as blocking_save
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    save = save or blocking_save
+    for i, model in enumerate(accelerator._models):
+        target = directory / f"{SHARDED_MODEL}_{i}"
+        target.mkdir(parents=True, exist_ok=True)
+        save({"model": get_model_state_dict(model)}, storage_writer=sharded_writer(target))
+    for i, optimizer in enumerate(accelerator._optimizers):
+        target = directory / f"{SHARDED_OPTIMIZER}_{i}"
+        target.mkdir(parents=True, exist_ok=True)
+        tensors, plain = split_tensors(get_optimizer_state_dict(accelerator._models[i], optimizer.optimizer))
+        save({"optimizer": tensors}, storage_writer=sharded_writer(target))
+        if accelerator.is_main_process:
+            save_tree(plain, target / PLAIN_VALUES)
+    if accelerator.is_main_process:
+        write_main_states(_small_states(accelerator), directory)
+
+
+def random_states(step: int) -> dict:
+    """This process's random streams, and accelerate's micro-step count (accumulation windows count from it)."""
+    states = {"step": step, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+              "torch_manual_seed": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def save_random_states(accelerator: Accelerator, directory: Path, states: Optional[dict] = None) -> None:
+    save_tree(states or random_states(accelerator.step), directory / random_states_file(accelerator.process_index))
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+
+def load(accelerator: Accelerator, directory: Path, with_random_states: bool) -> None:
+    """Every rank: the states save wrote, into the prepared objects. `with_random_states`: this rank's streams too
+    (a checkpoint of another layout has none for it, or another rank's)."""
+    if accelerator.scaler is not None:  # before an FSDP2 optimizer, whose state is set up by a step
+        accelerator.scaler.load_state_dict(load_tree(directory / SCALER_FILE))
+    if sharded(accelerator):
+        _load_sharded(accelerator, directory)
+    else:
+        on_gpus = accelerator.num_processes > 1 and accelerator.device.type != "cpu"  # as accelerate's load_state
+        device = str(accelerator.device) if on_gpus else "cpu"
+        for i, model in enumerate(accelerator._models):
+            load_model(_unwrapped(accelerator, model), str(directory / numbered(MODEL_FILE, i)), device=device)
+        for i, optimizer in enumerate(accelerator._optimizers):
+            optimizer.load_state_dict(load_tree(directory / numbered(OPTIMIZER_FILE, i), device))
+    for i, scheduler in enumerate(accelerator._schedulers):
+        scheduler.load_state_dict(load_tree(directory / numbered(SCHEDULER_FILE, i)))
+    if with_random_states:
+        states = load_tree(directory / random_states_file(accelerator.process_index))
+        random.setstate(states["random_state"])
+        np.random.set_state(states["numpy_random_seed"])
+        torch.set_rng_state(states["torch_manual_seed"])
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+            torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+        accelerator.step = states["step"]
+
+
+def _load_sharded(accelerator: Accelerator, directory: Path) -> None:
+    """Each rank reads its slices of every rank's files: the checkpoint may come from another number of ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    for i, model in enumerate(accelerator._models):
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, storage_reader=sharded_reader(directory / f"{SHARDED_MODEL}_{i}"))
+        set_model_state_dict(model, state["model"])
+    for i, optimizer in enumerate(accelerator._optimizers):
+        source, model = directory / f"{SHARDED_OPTIMIZER}_{i}", accelerator._models[i]
+        tensors, _ = split_tensors(get_optimizer_state_dict(model, optimizer.optimizer))
+        state = {"optimizer": tensors}
+        dcp.load(state, storage_reader=sharded_reader(source))
+        plain = load_tree(source / PLAIN_VALUES)
+        set_optimizer_state_dict(model, optimizer.optimizer, merge(state["optimizer"], plain))
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+def _unwrapped(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module: its parameter names do not depend on DDP or torch.compile."""
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
+def _on_host(tree):
+    """Every tensor of a (nested) state dict copied to host memory, tensors that share storage (tied weights)
+    still shared, so that the copy is saved as the original would be."""
+    copies = {}
+
+    def copy_of(value):
+        if isinstance(value, torch.Tensor):
+            key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), value.dtype)
+            if key not in copies:
+                copies[key] = value.detach().to("cpu", copy=True)
+            return copies[key]
+        if isinstance(value, dict):
+            return type(value)((k, copy_of(v)) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return type(value)(copy_of(v) for v in value)
+        return value
+
+    return copy_of(tree)
