@@ -384,3 +384,25 @@ def test_the_optimizer_step_after_a_background_sharded_save_waits_for_the_copy_o
     optimizer.step()
     assert len(waited_on) == 1 and torch.equal(waited_on[0], torch.ones(4))  # before the step changed them
     assert torch.equal(weight.detach(), torch.zeros(4)) and checkpointer.staging == []
+
+
+@pytest.mark.parametrize("layout", ["fsdp1", "full_state_dict", "deepspeed"])
+def test_a_layout_whose_checkpoints_would_not_be_ours_is_refused_before_training(layout):
+    """FSDP's first version, gathered state dicts and DeepSpeed save through their own (pickled) formats: refused
+    at the start, naming the key that chooses them, rather than at the first save."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import StateDictType
+
+    from src.checkpointing.training_state import check_supported
+
+    plugin = SimpleNamespace(fsdp_version=1 if layout == "fsdp1" else 2,
+                             state_dict_type=StateDictType.FULL_STATE_DICT if layout == "full_state_dict"
+                             else StateDictType.SHARDED_STATE_DICT)
+    kind = DistributedType.DEEPSPEED if layout == "deepspeed" else DistributedType.FSDP
+    with pytest.raises(UsageError) as error:
+        check_supported(SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin)))
+    named(str(error.value), *(["DEEPSPEED"] if layout == "deepspeed" else ["fsdp_version", "SHARDED_STATE_DICT"]))
+    plugin.fsdp_version, plugin.state_dict_type = 2, StateDictType.SHARDED_STATE_DICT  # config/accelerate/fsdp.yaml's
+    check_supported(SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=plugin)))
