@@ -101,10 +101,7 @@ def _recorded_checksums(checkpoint: Path) -> dict:
 def _check_shards(directory: Path) -> None:
     """A sharded state (training_state.save_sharded): each of the n ranks' files present with a valid header, and
     the shards of each tensor covering it whole, so that no rank's part is missing."""
-    from torch.distributed.checkpoint._hf_utils import (
-        CUSTOM_METADATA_KEY,
-        SAVED_OFFSETS_KEY,
-    )
+    from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
 
     shards = sorted(directory.glob("*.safetensors"))
     counts = {int(SHARD_FILE.fullmatch(shard.name).group(2)) for shard in shards if SHARD_FILE.fullmatch(shard.name)}

@@ -29,14 +29,7 @@ from accelerate.utils import DistributedType
 from safetensors.torch import load_model, save_file
 
 from src.checkpointing.export import without_tied_copies
-from src.checkpointing.plain_state import (
-    load_tree,
-    merge,
-    save_tree,
-    sharded_reader,
-    sharded_writer,
-    split_tensors,
-)
+from src.checkpointing.plain_state import load_tree, merge, save_tree, sharded_reader, sharded_writer, split_tensors
 from src.errors import UsageError
 
 MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
@@ -111,10 +104,7 @@ def save_sharded(accelerator: Accelerator, directory: Path, save: Optional[Calla
     """Every rank: its shards of the weights and the optimizer's state (FSDP2), through `save`
     (torch.distributed.checkpoint.save, or the checkpointer's saving in the background), and rank 0 the rest."""
     from torch.distributed.checkpoint import save as blocking_save
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     save = save or blocking_save
     for i, model in enumerate(accelerator._models):
@@ -141,8 +131,8 @@ def random_states(step: int) -> dict:
     return states
 
 
-def save_random_states(accelerator: Accelerator, directory: Path, states: Optional[dict] = None) -> None:
-    save_tree(states or random_states(accelerator.step), directory / random_states_file(accelerator.process_index))
+def save_random_states(accelerator: Accelerator, directory: Path) -> None:
+    save_tree(random_states(accelerator.step), directory / random_states_file(accelerator.process_index))
 
 
 # ------------------------------------------------------------------------------------------------------ loading
