@@ -20,6 +20,7 @@ from tests.conftest import (
     max_abs_diff,
     named,
     put_in_hub_cache,
+    refused,
     run,
     scalars,
 )
@@ -196,6 +197,34 @@ def test_lora_trains_only_its_adapter_the_same_however_the_batch_is_split_resume
     run([*accumulating(killed), "resume=auto"])
     assert scalars(killed, "train/loss") == scalars(one, "train/loss")
     assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
+    # The checkpoints hold the adapter, not the frozen base the resume read from model.pretrained again.
+    saved = load_file(killed / "checkpoints" / "step_00000003" / "model.safetensors")
+    assert saved and all("lora_" in name for name in saved), sorted(saved)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft, not ours
+def test_a_lora_checkpoint_is_refused_once_its_base_weights_have_changed(tmp_path, pretrained):
+    """Its checkpoints leave the base weights out (every start reads them from model.pretrained): a resume, or
+    eval.py, on another base would silently train or score another model."""
+    pytest.importorskip("peft")
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base, run_dir = tmp_path / "base", tmp_path / "run"
+    shutil.copytree(pretrained, base)
+    args = ["model=hf_causal_lm", f"model.pretrained={base}", "model.block_size=48", "data.batch_size=4",
+            "model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}", "trainer.monitor=null",
+            "trainer.checkpoint_every=2", *QUIET, f"hydra.run.dir={run_dir}"]
+    run([*args, "trainer.max_steps=2"])
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    run([f"path={checkpoint}", "eval_batches=2"], script="eval.py")  # the base from the folder, the adapter saved
+    weights = load_file(base / "model.safetensors")
+    weights["transformer.h.0.mlp.c_fc.weight"] += 1e-3  # a weight the adapter does not touch
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    for proc in (run([*args, "trainer.max_steps=3", "resume=auto"], check=False),
+                 run([f"path={checkpoint}", "eval_batches=2"], script="eval.py", check=False)):
+        refused(proc, str(base), "file model.safetensors", "model.pretrained")
 
 
 def test_a_hub_id_trains_as_its_folder_does_read_from_the_hugging_face_cache(tmp_path, pretrained):

@@ -235,18 +235,29 @@ def test_a_transformers_model_under_fsdp_exports_a_folder_from_pretrained_loads_
     assert model.lm_head.weight is model.get_input_embeddings().weight
 
 
-def test_lora_under_fsdp_exports_its_adapter_and_the_merged_model_it_makes(tmp_path, pretrained):
-    """The merged export is built from the gathered weights (a sharded model cannot be deep-copied)."""
+def test_lora_under_fsdp_exports_its_adapter_and_the_merged_model_it_makes_and_resumes_from_adapter_shards(
+        tmp_path, pretrained):
+    """The merged export is built from the gathered weights (a sharded model cannot be deep-copied). Its sharded
+    checkpoints hold the adapter alone; a resume reads the base from model.pretrained again, bitwise."""
     peft = pytest.importorskip("peft")
     import torch
     import transformers
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
-    run_dir = tmp_path / "run"
-    run(["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=48", "data.batch_size=4",
-         "model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}", "optimizer.lr=3e-2",
-         "scheduler.warmup_steps=1", "trainer.max_steps=3", *QUIET, f"hydra.run.dir={run_dir}"], nproc=2,
-        **FSDP_ON_CPU)
+    run_dir, resumed = tmp_path / "run", tmp_path / "resumed"
+    args = ["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=48", "data.batch_size=4",
+            "model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}", "optimizer.lr=3e-2",
+            "scheduler.warmup_steps=1", "trainer.max_steps=3", "trainer.checkpoint_every=2", *QUIET]
+    run([*args, f"hydra.run.dir={run_dir}"], nproc=2, **FSDP_ON_CPU)
+    shards = run_dir / "checkpoints" / "step_00000002" / "pytorch_model_fsdp_0"
+    names = set()
+    for shard in shards.glob("*.safetensors"):
+        with safe_open(shard, framework="pt") as tensors:
+            names |= set(tensors.keys())
+    assert names and all("lora_" in name for name in names), sorted(names)
+    run([*args, f"resume={shards.parent}", f"hydra.run.dir={resumed}"], nproc=2, **FSDP_ON_CPU)
+    assert max_abs_diff(exported_weights(resumed), exported_weights(run_dir)) == 0
     before, after = load_file(pretrained / "model.safetensors"), exported_weights(run_dir)
     assert {name for name in before if not torch.equal(before[name], after[name])} == {
         f"transformer.h.{i}.attn.c_attn.weight" for i in range(2)}

@@ -41,7 +41,10 @@ from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, EMA_FILE, STATE_FIL
 from src.checkpointing.load import load_checkpoint, seed_this_ranks_stream
 from src.checkpointing.resume import config_for_resume, resume_source
 from src.checkpointing.training_state import (
+    BASE_FILE,
+    base_weights,
     check_supported,
+    frozen_parameters,
     main_states,
     save_random_states,
     save_sharded,
@@ -76,6 +79,11 @@ class Checkpointer:
         self.progress = progress  # the hang watch hears of each part of a save and an export
         self.run_dir, self.root = run_dir, run_dir / "checkpoints"
         self.model, self.ema, self.codec = model, ema, codec
+        # Weights that do not train and that every start reads from model.pretrained again (a LoRA adapter's base)
+        # stay out of checkpoints; the folder's weight files are recorded instead.
+        unwrapped = accelerator.unwrap_model(model) if model is not None else None
+        self.without_frozen = bool(cfg.model.get("pretrained")) and bool(unwrapped and frozen_parameters(unwrapped))
+        self.base = base_weights(unwrapped) if self.without_frozen else None
         self.data_fingerprint = data_fingerprint or {}
         self.resume_from, self.data_changed = resume_from, data_changed
         trainer = cfg.trainer
@@ -187,7 +195,8 @@ class Checkpointer:
         main, failure, write = accelerator.is_main_process, None, None
         try:
             if sharded(accelerator):  # every rank its shards; in the background, copied now and written by threads
-                save_sharded(accelerator, tmp, self._save_in_background if in_background else None)
+                save_sharded(accelerator, tmp, self._save_in_background if in_background else None,
+                             self.without_frozen)
                 save_random_states(accelerator, tmp)
                 if main:
                     self._save_our_state(tmp, state)
@@ -198,7 +207,7 @@ class Checkpointer:
             else:
                 save_random_states(accelerator, tmp)
                 if main:
-                    write_main_states(main_states(accelerator), tmp)
+                    write_main_states(main_states(accelerator, without_frozen=self.without_frozen), tmp)
                     self._save_our_state(tmp, state)
         except Exception as error:  # a full or unwritable disk shows as OSError, RuntimeError or a library's own
             failure = error
@@ -262,7 +271,7 @@ class Checkpointer:
         save_random_states(self.accelerator, tmp)
         if not self.accelerator.is_main_process:
             return None
-        states = main_states(self.accelerator, on_host=True)
+        states = main_states(self.accelerator, on_host=True, without_frozen=self.without_frozen)
         self._save_our_state(tmp, state)
         return lambda: write_main_states(states, tmp)
 
@@ -292,6 +301,8 @@ class Checkpointer:
         (directory / STATE_FILE).write_text(json.dumps(state.state_dict(), indent=2))
         OmegaConf.save(self.cfg, directory / CONFIG_FILE, resolve=True)
         (directory / DATA_FILE).write_text(json.dumps(self.data_fingerprint, indent=2))
+        if self.base is not None:
+            (directory / BASE_FILE).write_text(json.dumps(self.base, indent=2))
         if self.ema is not None:  # its tied weights stored once, as for the model
             save_model(self.ema, str(directory / EMA_FILE), metadata={"format": "pt"})
 

@@ -15,6 +15,10 @@ accelerator.prepare (a second model, optimizer or schedule is numbered _1, as ac
 Under FSDP2 the weights and the optimizer's state stay sharded: `pytorch_model_fsdp_0/` and `optimizer_0/` hold one
 safetensors file per rank, which any number of ranks reads back (resharded); the optimizer's values that are not
 tensors (its param_groups: learning rates, betas, parameter names) are `optimizer_0/plain_values.json`.
+
+A run from model.pretrained leaves out the weights that do not train (a LoRA adapter's base model: a few MB of
+checkpoint instead of the whole model each time): every start reads them from that folder again, and
+`base_weights.json` records the folder's weight files, so that a resume on other base weights is refused.
 """
 
 import copy
@@ -36,6 +40,7 @@ MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
 SCHEDULER_FILE, SCALER_FILE = "scheduler.json", "scaler.json"
 SHARDED_MODEL, SHARDED_OPTIMIZER = "pytorch_model_fsdp", "optimizer"  # directories <name>_<i>, as accelerate's
 PLAIN_VALUES = "plain_values.json"
+BASE_FILE = "base_weights.json"
 
 
 def random_states_file(rank: int) -> str:
@@ -70,14 +75,17 @@ def check_supported(accelerator: Accelerator) -> None:
 
 # ------------------------------------------------------------------------------------------------------- saving
 
-def main_states(accelerator: Accelerator, on_host: bool = False) -> dict[str, Any]:
+def main_states(accelerator: Accelerator, on_host: bool = False, without_frozen: bool = False) -> dict[str, Any]:
     """What rank 0 writes of a checkpoint without FSDP: file name -> state. `on_host`: copies in host memory, for a
-    thread to write while training goes on (tensors that share storage, tied weights, still share it)."""
+    thread to write while training goes on (tensors that share storage, tied weights, still share it).
+    `without_frozen`: the parameters that do not train left out (they are read from model.pretrained again)."""
     taken = _on_host if on_host else (lambda tree: tree)
     states = {}
     for i, model in enumerate(accelerator._models):  # the prepared objects, as save_state reads them
         unwrapped = _unwrapped(accelerator, model)  # tied weights once, under the name the export keeps
-        states[numbered(MODEL_FILE, i)] = taken(without_tied_copies(unwrapped.state_dict(), unwrapped))
+        left_out = frozen_parameters(unwrapped) if without_frozen else set()
+        states[numbered(MODEL_FILE, i)] = taken(_without(without_tied_copies(unwrapped.state_dict(), unwrapped),
+                                                         left_out))
     states.update({numbered(OPTIMIZER_FILE, i): taken(optimizer.state_dict())
                    for i, optimizer in enumerate(accelerator._optimizers)})
     return {**states, **_small_states(accelerator)}
@@ -100,7 +108,8 @@ def write_main_states(states: dict[str, Any], directory: Path) -> None:
             save_tree(state, directory / name)
 
 
-def save_sharded(accelerator: Accelerator, directory: Path, save: Optional[Callable] = None) -> None:
+def save_sharded(accelerator: Accelerator, directory: Path, save: Optional[Callable] = None,
+                 without_frozen: bool = False) -> None:
     """Every rank: its shards of the weights and the optimizer's state (FSDP2), through `save`
     (torch.distributed.checkpoint.save, or the checkpointer's saving in the background), and rank 0 the rest."""
     from torch.distributed.checkpoint import save as blocking_save
@@ -110,7 +119,8 @@ def save_sharded(accelerator: Accelerator, directory: Path, save: Optional[Calla
     for i, model in enumerate(accelerator._models):
         target = directory / f"{SHARDED_MODEL}_{i}"
         target.mkdir(parents=True, exist_ok=True)
-        save({"model": get_model_state_dict(model)}, storage_writer=sharded_writer(target))
+        weights = _without(get_model_state_dict(model), frozen_parameters(model) if without_frozen else set())
+        save({"model": weights}, storage_writer=sharded_writer(target))
     for i, optimizer in enumerate(accelerator._optimizers):
         target = directory / f"{SHARDED_OPTIMIZER}_{i}"
         target.mkdir(parents=True, exist_ok=True)
@@ -137,18 +147,19 @@ def save_random_states(accelerator: Accelerator, directory: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------------ loading
 
-def load(accelerator: Accelerator, directory: Path, with_random_states: bool) -> None:
+def load(accelerator: Accelerator, directory: Path, with_random_states: bool, without_frozen: bool = False) -> None:
     """Every rank: the states save wrote, into the prepared objects. `with_random_states`: this rank's streams too
-    (a checkpoint of another layout has none for it, or another rank's)."""
+    (a checkpoint of another layout has none for it, or another rank's). `without_frozen`: the parameters that do
+    not train may be missing from it (the model holds them, read from model.pretrained)."""
     if accelerator.scaler is not None:  # before an FSDP2 optimizer, whose state is set up by a step
         accelerator.scaler.load_state_dict(load_tree(directory / SCALER_FILE))
     if sharded(accelerator):
-        _load_sharded(accelerator, directory)
+        _load_sharded(accelerator, directory, without_frozen)
     else:
         on_gpus = accelerator.num_processes > 1 and accelerator.device.type != "cpu"  # as accelerate's load_state
         device = str(accelerator.device) if on_gpus else "cpu"
         for i, model in enumerate(accelerator._models):
-            load_model(_unwrapped(accelerator, model), str(directory / numbered(MODEL_FILE, i)), device=device)
+            load_weights(_unwrapped(accelerator, model), directory / numbered(MODEL_FILE, i), without_frozen, device)
         for i, optimizer in enumerate(accelerator._optimizers):
             optimizer.load_state_dict(load_tree(directory / numbered(OPTIMIZER_FILE, i), device))
     for i, scheduler in enumerate(accelerator._schedulers):
@@ -163,20 +174,71 @@ def load(accelerator: Accelerator, directory: Path, with_random_states: bool) ->
         accelerator.step = states["step"]
 
 
-def _load_sharded(accelerator: Accelerator, directory: Path) -> None:
+def load_weights(model: torch.nn.Module, file: Path, without_frozen: bool, device: str = "cpu") -> None:
+    """safetensors' load_model, strict but for the parameters that do not train where they were left out: torch's
+    own error for any other missing or unexpected name, or a size that does not fit."""
+    missing, unexpected = load_model(model, str(file), strict=False, device=device)
+    _all_there(model, missing, unexpected, without_frozen)
+
+
+def _all_there(model: torch.nn.Module, missing, unexpected, without_frozen: bool) -> None:
+    missing = sorted(set(missing) - (frozen_parameters(model) if without_frozen else set()))
+    if missing or unexpected:  # as torch words it: src/checkpointing/load.py's model_must_fit rewords it
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n"
+                           + "".join(f"\tMissing key: {name}\n" for name in missing)
+                           + "".join(f"\tUnexpected key: {name}\n" for name in unexpected))
+
+
+def frozen_parameters(model: torch.nn.Module) -> set[str]:
+    """The names of the parameters that do not train (a LoRA adapter's base model), tied names included (torch's
+    StateDictOptions(ignore_frozen_params) misses those: it keeps a frozen lm_head tied to its embedding), as state
+    dicts name them: without the wrappers of activation checkpointing and torch.compile."""
+    return {name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            for name, parameter in model.named_parameters(remove_duplicate=False) if not parameter.requires_grad}
+
+
+def _without(state_dict: dict, names: set[str]) -> dict:
+    return {name: value for name, value in state_dict.items() if name not in names}
+
+
+def base_weights(model: torch.nn.Module) -> dict[str, str]:
+    """The weight files of the folder a model.pretrained model was read from, each as its size and a hash of a
+    megabyte of it (src/data/base.py's file_digest): the base weights a checkpoint without them needs again."""
+    from src.data.base import file_digest
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the model it adapts
+    folder = Path(getattr(getattr(base, "config", None), "name_or_path", "") or "")
+    files = [f for f in sorted(folder.iterdir()) if f.suffix in (".safetensors", ".bin")] if folder.is_dir() else []
+    return {"folder": str(folder), **{f"file {f.name}": file_digest(f) for f in files}}
+
+
+def check_base_weights(saved: dict[str, str], model: torch.nn.Module, source: str) -> None:
+    """Refuses a model whose base weights are not those the checkpoint trained on (see base_weights)."""
+    now = base_weights(model)
+    changed = [key for key in sorted(set(saved) | set(now)) if key != "folder" and saved.get(key) != now.get(key)]
+    if changed:
+        raise UsageError(f"{source} left out the weights that do not train, to be read from model.pretrained again, "
+                         f"but {now['folder']} now holds other ones ({', '.join(changed)} differ from "
+                         f"{saved.get('folder')} when it was written). Give model.pretrained the base it trained on.")
+
+
+def _load_sharded(accelerator: Accelerator, directory: Path, without_frozen: bool) -> None:
     """Each rank reads its slices of every rank's files: the checkpoint may come from another number of ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
+    options = StateDictOptions(strict=not without_frozen)
     for i, model in enumerate(accelerator._models):
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": _without(get_model_state_dict(model), frozen_parameters(model) if without_frozen else set())}
         dcp.load(state, storage_reader=sharded_reader(directory / f"{SHARDED_MODEL}_{i}"))
-        set_model_state_dict(model, state["model"])
+        missing, unexpected = set_model_state_dict(model, state["model"], options=options)
+        _all_there(model, missing, unexpected, without_frozen)
     for i, optimizer in enumerate(accelerator._optimizers):
         source, model = directory / f"{SHARDED_OPTIMIZER}_{i}", accelerator._models[i]
         tensors, _ = split_tensors(get_optimizer_state_dict(model, optimizer.optimizer))
