@@ -136,4 +136,4 @@ def test_state_trees_round_trip_exactly_and_refuse_what_only_pickle_could_store(
     assert all(np.array_equal(a, b) for a, b in zip(back["numpy"], tree["numpy"]))
     with pytest.raises(TypeError) as error:
         save_tree({"param_groups": [{"lr": Planted(tmp_path / "ran")}]}, tmp_path / "bad.json")
-    named(str(error.value), "Planted", "['param_groups'][0]['lr']", "cannot be stored without pickle")
+    named(str(error.value), "Planted", "['param_groups'][0]['lr']")

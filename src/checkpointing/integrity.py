@@ -18,7 +18,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from src.checkpointing.layout import CONFIG_FILE, STATE_FILE
-from src.checkpointing.plain_state import SHARD_FILE
+from src.checkpointing.plain_state import SHARD_FILE, shard_file_name
 from src.checkpointing.training_state import (
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -110,7 +110,7 @@ def _check_shards(directory: Path) -> None:
     (count,) = counts
     for index in range(1, count + 1):
         if not any(int(SHARD_FILE.fullmatch(s.name).group(1)) == index for s in shards if SHARD_FILE.fullmatch(s.name)):
-            raise ValueError(f"shard {index} of {count} is missing from {directory}")
+            raise ValueError(f"{directory / shard_file_name(index, count)} is missing (shard {index} of {count})")
     covered: dict[str, int] = {}
     extent: dict[str, list[int]] = {}
     for shard in shards:
