@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpointing.checkpointer import resume_point
 from src.checkpointing.load import load_initial_weights
 from src.checkpointing.resume import check_same_data
-from src.checkpointing.training_state import BASE_FILE
+from src.checkpointing.training_state import leaves_out_frozen
 from src.data.base import DataModule
 from src.data.packing import attend_per_document
 from src.data.tokenizer import BUILT_IN_TOKENIZERS
@@ -69,7 +69,7 @@ class Run:
     def read_pretrained_slices(self, model: torch.nn.Module) -> None:
         """Into the prepared model: where each rank reads its own slices of model.pretrained, it does so now (a
         resume's checkpoint holds every weight instead, unless it left out those that do not train)."""
-        resumes_all = self.checkpoint is not None and not (self.checkpoint / BASE_FILE).is_file()
+        resumes_all = self.checkpoint is not None and not leaves_out_frozen(self.checkpoint)
         if self.pretrained_slices is not None and not resumes_all:
             load_slices(self.accelerator, model, self.pretrained_slices)
 

@@ -82,7 +82,8 @@ class Checkpointer:
         # Weights that do not train and that every start reads from model.pretrained again (a LoRA adapter's base)
         # stay out of checkpoints; the folder's weight files are recorded instead.
         unwrapped = accelerator.unwrap_model(model) if model is not None else None
-        self.without_frozen = bool(cfg.model.get("pretrained")) and bool(unwrapped and frozen_parameters(unwrapped))
+        self.without_frozen = bool(cfg.model.get("pretrained")) and unwrapped is not None and bool(
+            frozen_parameters(unwrapped))
         self.base = base_weights(unwrapped) if self.without_frozen else None
         self.data_fingerprint = data_fingerprint or {}
         self.resume_from, self.data_changed = resume_from, data_changed

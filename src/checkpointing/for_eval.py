@@ -1,6 +1,5 @@
 """A checkpoint's or exported model's config and model, rebuilt without its data (for eval.py)."""
 
-import json
 from pathlib import Path
 
 import torch
@@ -10,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpointing.integrity import check_readable
 from src.checkpointing.layout import CONFIG_FILE, RUN_CONFIG
 from src.checkpointing.load import model_must_fit
-from src.checkpointing.training_state import BASE_FILE, MODEL_FILE, check_base_weights, load_weights
+from src.checkpointing.training_state import MODEL_FILE, checked_base_weights, load_weights
 from src.errors import UsageError
 
 
@@ -32,9 +31,7 @@ def load_checkpointed_model(checkpoint: Path, run_cfg: DictConfig) -> torch.nn.M
     """The model of a checkpoint run_config_for has checked, rebuilt from its run's config alone (data-derived
     sizes are saved resolved)."""
     model = instantiate(run_cfg.model, _convert_="all")
-    without_frozen = (checkpoint / BASE_FILE).is_file()  # its base weights are model.pretrained's, read just now
-    if without_frozen:
-        check_base_weights(json.loads((checkpoint / BASE_FILE).read_text()), model, f"checkpoint {checkpoint}")
+    without_frozen = checked_base_weights(checkpoint, model)  # weights left out: model.pretrained's, read just now
     with model_must_fit(f"checkpoint {checkpoint}"):
         load_weights(model, checkpoint / MODEL_FILE, without_frozen)
     return model.eval()

@@ -11,6 +11,7 @@ their headers and for covering every tensor whole.
 """
 
 import json
+import math
 import mmap
 import zlib
 from pathlib import Path
@@ -103,34 +104,30 @@ def _check_shards(directory: Path) -> None:
     the shards of each tensor covering it whole, so that no rank's part is missing."""
     from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY
 
-    shards = sorted(directory.glob("*.safetensors"))
-    counts = {int(SHARD_FILE.fullmatch(shard.name).group(2)) for shard in shards if SHARD_FILE.fullmatch(shard.name)}
+    shards = {int(m.group(1)): (int(m.group(2)), shard) for shard in sorted(directory.glob("*.safetensors"))
+              if (m := SHARD_FILE.fullmatch(shard.name))}
+    counts = {count for count, _ in shards.values()}
     if len(counts) != 1:
         raise ValueError(f"{directory} holds no complete set of shard-<i>-of-<n>.safetensors files")
     (count,) = counts
     for index in range(1, count + 1):
-        if not any(int(SHARD_FILE.fullmatch(s.name).group(1)) == index for s in shards if SHARD_FILE.fullmatch(s.name)):
+        if index not in shards:
             raise ValueError(f"{directory / shard_file_name(index, count)} is missing (shard {index} of {count})")
     covered: dict[str, int] = {}
     extent: dict[str, list[int]] = {}
-    for shard in shards:
+    for _, shard in shards.values():
         try:
             with safe_open(shard, framework="pt") as tensors:  # the header against the file's size
                 offsets = json.loads((tensors.metadata() or {}).get(CUSTOM_METADATA_KEY, "{}"))
                 for name in tensors.keys():
                     shape = tensors.get_slice(name).get_shape()
                     start = offsets.get(name, {}).get(SAVED_OFFSETS_KEY, [0] * len(shape))
-                    size = 1
-                    for length in shape:
-                        size *= length
-                    covered[name] = covered.get(name, 0) + size
+                    covered[name] = covered.get(name, 0) + math.prod(shape)
                     whole = extent.setdefault(name, [0] * len(shape))
                     extent[name] = [max(w, s + n) for w, s, n in zip(whole, start, shape)]
         except Exception as error:
             raise ValueError(f"shard {shard}: {error}") from None
-    for name, count in covered.items():
-        size = 1
-        for length in extent[name]:
-            size *= length
-        if count != size:
-            raise ValueError(f"the shards in {directory} hold {count} of the {size} values of {name}")
+    for name, values in covered.items():
+        if values != math.prod(extent[name]):
+            raise ValueError(f"the shards in {directory} hold {values} of the {math.prod(extent[name])} values of "
+                             f"{name}")

@@ -13,9 +13,9 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import load_model
 
-from src.checkpointing import training_state
 from src.checkpointing.layout import DATA_FILE, EMA_FILE, STATE_FILE
-from src.checkpointing.training_state import BASE_FILE, check_base_weights, random_states_file
+from src.checkpointing.training_state import checked_base_weights, random_states_file
+from src.checkpointing.training_state import load as load_training_state
 from src.data.tokenizer import Codec
 from src.errors import UsageError
 from src.loop.train_state import TrainState
@@ -42,12 +42,10 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
         raise UsageError(f"{checkpoint / EMA_FILE} is missing: trainer.ema_decay's average cannot be restored. "
                          f"Resume from another checkpoint, or start a new run from its weights with "
                          f"trainer.init_weights={checkpoint}")
-    without_frozen = (checkpoint / BASE_FILE).is_file()  # the base weights were read from model.pretrained
-    if without_frozen:
-        check_base_weights(json.loads((checkpoint / BASE_FILE).read_text()),
-                           accelerator.unwrap_model(accelerator._models[0]), f"checkpoint {checkpoint}")
+    # Weights left out of the checkpoint were read from model.pretrained: the ones it trained on.
+    without_frozen = checked_base_weights(checkpoint, accelerator.unwrap_model(accelerator._models[0]))
     with model_must_fit(f"checkpoint {checkpoint}"):
-        training_state.load(accelerator, checkpoint, with_random_states=rng_file.is_file(),
+        load_training_state(accelerator, checkpoint, with_random_states=rng_file.is_file(),
                             without_frozen=without_frozen)
     if ema is not None:  # written by rank 0, read by every rank: each keeps the same average
         with model_must_fit(f"checkpoint {checkpoint}"):

@@ -22,6 +22,7 @@ checkpoint instead of the whole model each time): every start reads them from th
 """
 
 import copy
+import json
 import random
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -212,14 +213,24 @@ def base_weights(model: torch.nn.Module) -> dict[str, str]:
     return {"folder": str(folder), **{f"file {f.name}": file_digest(f) for f in files}}
 
 
-def check_base_weights(saved: dict[str, str], model: torch.nn.Module, source: str) -> None:
-    """Refuses a model whose base weights are not those the checkpoint trained on (see base_weights)."""
-    now = base_weights(model)
+def leaves_out_frozen(checkpoint: Path) -> bool:
+    """Whether a checkpoint left out the weights that do not train (it then records their folder: BASE_FILE)."""
+    return (checkpoint / BASE_FILE).is_file()
+
+
+def checked_base_weights(checkpoint: Path, model: torch.nn.Module) -> bool:
+    """leaves_out_frozen(checkpoint), after refusing a model whose base weights are not those the checkpoint
+    trained on (see base_weights)."""
+    if not leaves_out_frozen(checkpoint):
+        return False
+    saved, now = json.loads((checkpoint / BASE_FILE).read_text()), base_weights(model)
     changed = [key for key in sorted(set(saved) | set(now)) if key != "folder" and saved.get(key) != now.get(key)]
     if changed:
-        raise UsageError(f"{source} left out the weights that do not train, to be read from model.pretrained again, "
-                         f"but {now['folder']} now holds other ones ({', '.join(changed)} differ from "
-                         f"{saved.get('folder')} when it was written). Give model.pretrained the base it trained on.")
+        raise UsageError(f"checkpoint {checkpoint} left out the weights that do not train, to be read from "
+                         f"model.pretrained again, but {now['folder']} now holds other ones ({', '.join(changed)} "
+                         f"differ from {saved.get('folder')} when it was written). Give model.pretrained the base it "
+                         "trained on.")
+    return True
 
 
 def _load_sharded(accelerator: Accelerator, directory: Path, without_frozen: bool) -> None:
