@@ -27,6 +27,7 @@ from src.launch.shutdown import run_then_release, shut_down
 from src.loop.evaluation import evaluate
 from src.loop.forward import Forward
 from src.models.hub import fetch_from_hub
+from src.schema.trusted import trusted_by
 
 log = logging.getLogger("eval")
 
@@ -34,7 +35,8 @@ log = logging.getLogger("eval")
 @hydra.main(config_path="config", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     source = Path(cfg.path)
-    run_cfg = run_config_for(source)
+    trusted = trusted_by(cfg)  # a callable the run's config names beyond config/'s: +model._target_=NAME
+    run_cfg = run_config_for(source, trusted)
     accelerator = Accelerator(cpu=needs_cpu_flag(), mixed_precision=cfg.mixed_precision)
     check_process_count(accelerator)
     use_cpu_threads(accelerator, None)
@@ -44,7 +46,7 @@ def main(cfg: DictConfig) -> None:
     data = instantiate(OmegaConf.merge(run_cfg.data, cfg.data), _convert_="all")
     objective = instantiate(run_cfg.objective, _convert_="all")
     if (source / "model.safetensors").is_file() and (source / "config.yaml").is_file():
-        model = load_exported_model(source)
+        model = load_exported_model(source, trusted=trusted, accept="+model._target_={value}")
     else:
         model = load_checkpointed_model(source, run_cfg)  # the run's config holds the data-derived sizes
     if data.attends_per_document:  # data.packing=true

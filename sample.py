@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (lower: safer)")
     parser.add_argument("--top-k", type=int, default=200, help="sample from the k likeliest tokens (0: all)")
     parser.add_argument("--seed", type=int, default=1337, help="the sampler's seed")
+    parser.add_argument("--trust-target", action="append", default=[], metavar="CALLABLE",
+                        help="a _target_ of the folder's config.yaml that config/ does not offer, trusted to be "
+                             "built (its config is data: nothing else it names is called)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.num_samples < 1 or args.temperature <= 0 or args.top_k < 0:
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         folder = local_path(args.folder, "folder", refresh=True)  # a hub id: its snapshot in the HF cache
         codec = Codec.load(folder)
-        model = load_exported_model(folder, args.device)
+        model = load_exported_model(folder, args.device, args.trust_target, accept="--trust-target {value}")
         texts = sample_texts(model, codec, [args.prompt] * args.num_samples, args.tokens, args.temperature,
                              args.top_k or None, args.seed, block_size_of(model, folder))
     except (UsageError, FileNotFoundError) as error:

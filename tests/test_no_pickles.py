@@ -1,5 +1,8 @@
 """A checkpoint or an export from someone else cannot run code here: nothing in them is unpickled beyond tensors
-and plain values. A planted pickle that would run code is refused, naming the file, or never read at all."""
+and plain values, and their configs are data. A planted pickle that would run code is refused, naming the file, or
+never read at all; a config naming a callable that config/ does not offer (torch.load, subprocess.run ...) is
+refused before anything of it is imported or built, whatever the checksums say; a file the layout does not know
+is refused by name."""
 
 import json
 import pickle
@@ -137,3 +140,102 @@ def test_state_trees_round_trip_exactly_and_refuse_what_only_pickle_could_store(
     with pytest.raises(TypeError) as error:
         save_tree({"param_groups": [{"lr": Planted(tmp_path / "ran")}]}, tmp_path / "bad.json")
     named(str(error.value), "Planted", "['param_groups'][0]['lr']")
+
+
+def gadgets(plant, marker) -> dict:
+    """Configs whose building runs someone else's code or reads what they chose: each names a callable of the
+    standard library or an installed package that Hydra's blocklist lets through."""
+    path = {"_target_": "pathlib.Path", "_args_": [str(plant)]}
+    torch.save(Planted(marker), plant.with_suffix(".pt"))  # torch.load reads its own format only
+    return {
+        "torch.load": {"_target_": "torch.load", "f": str(plant.with_suffix(".pt")), "weights_only": False},
+        "numpy.load": {"_target_": "numpy.load", "file": str(plant), "allow_pickle": True},
+        "pickle.loads": {"_target_": "pickle.loads", "_args_": [{"_target_": "pathlib.Path.read_bytes",
+                                                                 "_args_": [path]}]},
+        "importlib.import_module": {"_target_": "importlib.import_module", "name": "antigravity"},
+        "subprocess.run": {"_target_": "subprocess.run", "args": ["touch", str(marker)]},
+        "a package's loader": {"_target_": "torch.hub.load", "repo_or_dir": str(plant.parent), "model": "x",
+                               "source": "local"},
+    }
+
+
+@pytest.mark.parametrize("gadget", ["torch.load", "numpy.load", "pickle.loads", "importlib.import_module",
+                                    "subprocess.run", "a package's loader"])
+def test_a_config_from_a_checkpoint_naming_a_callable_config_does_not_offer_is_refused_unless_trusted(tmp_path,
+                                                                                                   gadget):
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from src.schema.trusted import check_targets, targets_in
+
+    plant, marker = tmp_path / "plant.pkl", tmp_path / "ran"
+    plant.write_bytes(pickle.dumps(Planted(marker)))
+    config = OmegaConf.create({"model": gadgets(plant, marker)[gadget], "data": {"_target_": "src.data.text.TextData"}})
+    with pytest.raises(UsageError) as error:
+        check_targets(config, "checkpoint X/run_config.yaml")
+    trusted = [value for key, value in targets_in(config) if key != "data._target_"]
+    named(str(error.value), "checkpoint X/run_config.yaml", "model._target_=" + config.model._target_,
+          *trusted)  # a callable nested in another's arguments too
+    assert "data._target_" not in str(error.value)  # offered by config/data/text.yaml
+    assert not marker.exists()
+    check_targets(config, "checkpoint X/run_config.yaml", trusted)  # named on this run's command line: accepted
+    if gadget in ("torch.load", "numpy.load"):  # the plant is live: what the check refuses would have run
+        instantiate(config.model)
+        assert marker.exists()
+
+
+def test_a_node_building_interpolation_in_a_saved_config_is_refused():
+    from omegaconf import OmegaConf
+
+    from src.schema.trusted import check_targets
+
+    config = OmegaConf.create({"model": "${oc.create:'{_target_: subprocess.run, args: [touch, x]}'}"})
+    with pytest.raises(UsageError) as error:
+        check_targets(config, "export Y/config.yaml")
+    named(str(error.value), "export Y/config.yaml", "model=${oc.create:")
+
+
+def test_resume_eval_sample_and_load_exported_model_build_nothing_a_planted_config_names(tmp_path):
+    """Gadgets in a checkpoint's run_config.yaml (its checksums.json rewritten to match, as whoever plants a file
+    can) and in an export's config.yaml: every reader refuses them, naming the key and the value, and nothing runs.
+    The same run's own targets, named on the command line, are accepted."""
+    from omegaconf import OmegaConf
+
+    from src.checkpointing.integrity import write_checksums
+
+    run_dir, marker, plant = tmp_path / "run", tmp_path / "ran", tmp_path / "plant.pkl"
+    plant.write_bytes(pickle.dumps(Planted(marker)))
+    args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.eval_batches=2", f"hydra.run.dir={run_dir}"]
+    run([*args, "trainer.max_steps=1"])
+    checkpoint, export = run_dir / "checkpoints" / "step_00000001", run_dir / "model"
+    config = OmegaConf.load(checkpoint / "run_config.yaml")
+    config.model = gadgets(plant, marker)["torch.load"]
+    OmegaConf.save(config, checkpoint / "run_config.yaml")
+    write_checksums(checkpoint)
+    refused(run([*args, "trainer.max_steps=2", "resume=auto"], check=False), "model._target_=torch.load")
+    refused(run([f"path={checkpoint}", "eval_batches=2"], script="eval.py", check=False),
+            "model._target_=torch.load", "+model._target_=torch.load")
+    OmegaConf.save(gadgets(plant, marker)["numpy.load"], export / "config.yaml")
+    refused(run([f"path={export}", "eval_batches=2"], script="eval.py", check=False),
+            "_target_=numpy.load", "+model._target_=numpy.load")
+    sampled = run([str(export), "--tokens", "4"], command=[sys.executable, "sample.py"], check=False)
+    assert sampled.returncode == 2 and "--trust-target numpy.load" in sampled.stdout, sampled.stdout[-2000:]
+    with pytest.raises(UsageError) as error:
+        load_exported_model(export)
+    named(str(error.value), "numpy.load", "trusted=['numpy.load']")
+    assert not marker.exists()
+
+
+def test_a_file_a_checkpoint_does_not_hold_is_refused_by_name(tmp_path):
+    from src.checkpointing.integrity import check_readable
+    from tests.test_checkpoint import fsdp_shaped_checkpoint
+
+    checkpoint = fsdp_shaped_checkpoint(tmp_path)
+    check_readable(checkpoint)
+    for stranger in (checkpoint / "evil.py", checkpoint / "optimizer_0" / "notes.json", checkpoint / "extra"):
+        stranger.mkdir() if stranger.name == "extra" else stranger.write_text("{}")
+        with pytest.raises(UsageError) as error:
+            check_readable(checkpoint)
+        named(str(error.value), str(stranger))
+        stranger.rmdir() if stranger.is_dir() else stranger.unlink()
+    check_readable(checkpoint)

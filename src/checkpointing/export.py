@@ -12,11 +12,14 @@
 import copy
 import shutil
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_model, save_file
+
+from src.schema.trusted import check_targets
 
 # What save_pretrained writes for a tokenizer: the export of a fine-tuned model is a whole folder again.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -116,7 +119,10 @@ def without_tied_copies(state_dict: dict[str, torch.Tensor], model: torch.nn.Mod
     return {name: tensor.contiguous() for name, tensor in state_dict.items() if name not in drop}
 
 
-def load_exported_model(directory: str | Path, device: str | torch.device = "cpu") -> torch.nn.Module:
+def load_exported_model(directory: str | Path, device: str | torch.device = "cpu", trusted: Iterable[str] = (),
+                        accept: str = "load_exported_model(..., trusted=[{value!r}])") -> torch.nn.Module:
+    """The model of an export folder. Its config.yaml is data: a `_target_` that config/ does not offer is refused
+    unless `trusted` names it (`accept`: how the caller's user names it, for the message)."""
     directory = Path(directory)
     if (directory / "config.json").is_file():  # a transformers model: its config.yaml may name a pretrained
         from transformers import AutoModelForCausalLM  # folder that is gone, config.json has the architecture
@@ -125,6 +131,8 @@ def load_exported_model(directory: str | Path, device: str | torch.device = "cpu
     for name in ("config.yaml", "model.safetensors"):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory / name} is missing: not an exported model directory")
-    model = instantiate(OmegaConf.load(directory / "config.yaml"), _convert_="all")
+    config = OmegaConf.load(directory / "config.yaml")
+    check_targets(config, str(directory / "config.yaml"), trusted, accept)
+    model = instantiate(config, _convert_="all")
     load_model(model, directory / "model.safetensors", strict=True, device=str(device))
     return model.to(device).eval()

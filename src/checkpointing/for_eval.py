@@ -11,17 +11,20 @@ from src.checkpointing.layout import CONFIG_FILE, RUN_CONFIG
 from src.checkpointing.load import model_must_fit
 from src.checkpointing.training_state import MODEL_FILE, checked_base_weights, load_weights
 from src.errors import UsageError
+from src.schema.trusted import check_targets
 
 
-def run_config_for(path: Path) -> DictConfig:
+def run_config_for(path: Path, trusted: set[str] = frozenset()) -> DictConfig:
     """The training config that produced an exported model or checkpoint (for eval.py); a checkpoint is checked
-    whole first (integrity.check_readable), before its config is read."""
+    whole first (integrity.check_readable), before its config is read, and the config's targets are checked
+    against config/ and `trusted` (those eval.py's command line names) before anything of it is built."""
     if (path / CONFIG_FILE).is_file():
         check_readable(path)
     for candidate in (path / CONFIG_FILE, path.parent / RUN_CONFIG, path.parent.parent / RUN_CONFIG):
         if candidate.is_file():
             cfg = OmegaConf.load(candidate)
             if "data" in cfg:
+                check_targets(cfg, str(candidate), trusted, accept="+{key}={value}")
                 return cfg
     raise UsageError(f"path={path}: no training config found (looked for {CONFIG_FILE} in it and "
                      f"{RUN_CONFIG} in its run dir)")

@@ -11,26 +11,40 @@ their headers and for covering every tensor whole.
 """
 
 import json
+import logging
 import math
 import mmap
+import re
 import zlib
 from pathlib import Path
 
 from safetensors import safe_open
 
-from src.checkpointing.layout import CONFIG_FILE, STATE_FILE
+from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, EMA_FILE, STATE_FILE
 from src.checkpointing.plain_state import SHARD_FILE, shard_file_name
 from src.checkpointing.training_state import (
+    BASE_FILE,
     MODEL_FILE,
     OPTIMIZER_FILE,
+    SCALER_FILE,
     SCHEDULER_FILE,
     SHARDED_MODEL,
+    PLAIN_VALUES,
     SHARDED_OPTIMIZER,
 )
 from src.errors import UsageError
 
+log = logging.getLogger(__name__)
+
 CHECKSUMS = "checksums.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".distcp", ".metadata")
+EVAL_OUTPUT = "eval_metrics.json"  # eval.py's report, written beside what it scored; never read back
+# Every name a checkpoint of ours holds (a second model, optimizer or schedule numbered _1, ...); anything else in
+# one was put there by someone else, and is refused by name rather than left for something to pick up.
+KNOWN_FILES = re.compile("|".join([
+    r"(model|optimizer)(_\d+)?\.safetensors", r"scheduler(_\d+)?\.json", r"random_states_\d+\.safetensors",
+    *map(re.escape, (SCALER_FILE, CHECKSUMS, EMA_FILE, STATE_FILE, CONFIG_FILE, DATA_FILE, BASE_FILE, EVAL_OUTPUT))]))
+KNOWN_DIRS = re.compile(rf"({SHARDED_MODEL}|{SHARDED_OPTIMIZER})_\d+")
 
 
 def check_readable(checkpoint: Path) -> None:
@@ -44,6 +58,11 @@ def check_readable(checkpoint: Path) -> None:
                              "and never reads (unpickling can run code): refused, nothing of it was read. An "
                              "earlier version of this template, accelerate's save_state or someone else wrote it. "
                              f"Resume from a checkpoint this version wrote{remedy}.")
+    strangers = _not_of_the_layout(checkpoint)
+    if strangers:
+        raise UsageError(f"checkpoint file {strangers[0]} is not one a checkpoint holds (src/checkpointing/layout.py): "
+                         "refused, nothing of the checkpoint was read. Someone else put it there; remove it if you "
+                         "know what it is, or resume from a checkpoint this template wrote.")
     for alternatives in ((MODEL_FILE, f"{SHARDED_MODEL}_0"), (OPTIMIZER_FILE, f"{SHARDED_OPTIMIZER}_0"),
                          (SCHEDULER_FILE,), (STATE_FILE,), (CONFIG_FILE,)):
         if not any((checkpoint / name).exists() for name in alternatives):
@@ -69,6 +88,18 @@ def check_readable(checkpoint: Path) -> None:
     if missing:
         raise UsageError(f"checkpoint {checkpoint} is incomplete: {checkpoint / missing[0]} is missing ({CHECKSUMS} "
                          "lists it); resume from an older checkpoint with resume=PATH")
+
+
+def _not_of_the_layout(checkpoint: Path) -> list[Path]:
+    """Files and folders in a checkpoint that its layout has no place for."""
+    strangers = []
+    for path in sorted(checkpoint.iterdir()):
+        if path.is_dir() and KNOWN_DIRS.fullmatch(path.name):
+            strangers += [inner for inner in sorted(path.iterdir()) if not (
+                inner.is_file() and (SHARD_FILE.fullmatch(inner.name) or inner.name == PLAIN_VALUES))]
+        elif not (path.is_file() and KNOWN_FILES.fullmatch(path.name)):
+            strangers.append(path)
+    return strangers
 
 
 def checksum(file: Path) -> str:

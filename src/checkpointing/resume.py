@@ -14,6 +14,7 @@ from src.errors import UsageError
 from src.schema.data_sizes import resolved_but_data_sizes
 from src.schema.keys import flatten
 from src.schema.signature import complete, schema_of
+from src.schema.trusted import check_targets, trusted_by
 from src.schema.trainer import TrainerConfig
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     command (e.g. a requeued SLURM job) resumes, while YAML defaults edited since do not leak in.
     """
     saved = OmegaConf.load(checkpoint / CONFIG_FILE)
+    # Data until proven ours: a target this command line does not compose is refused before anything imports it.
+    check_targets(saved, f"checkpoint {checkpoint / CONFIG_FILE}", trusted_by(cfg))
     trainer, _ = complete(saved.trainer, schema_of(TrainerConfig), "trainer.")
     for key in sorted(trainer.keys() - saved.trainer.keys()):
         # A loop setting added since the checkpoint was written: the checkpoint ran with what is now its default.
