@@ -124,8 +124,12 @@ def test_a_generation_is_the_models_greedy_continuation_cut_at_the_first_stop_st
     stop = free[0][3]  # a character the first continuation meets after 3 others
     requests = [SimpleNamespace(args=(contexts[0], {"until": [stop], "max_gen_toks": 12})),
                 SimpleNamespace(args=(contexts[1], {"until": [], "max_gen_toks": 12})),
-                SimpleNamespace(args=(contexts[1], {"until": "\x00", "max_gen_toks": 5}))]
-    assert lm.generate_until(requests) == [free[0].split(stop)[0], free[1], greedy(contexts[1], 5)]
+                SimpleNamespace(args=(contexts[1], {"until": "\x00", "max_gen_toks": 5})),
+                # More than the block holds: half of it is generated after the context's last half, within the
+                # model's 32 positions (not 40 tokens after one of context, past them).
+                SimpleNamespace(args=(contexts[1], {"until": [], "max_gen_toks": 40}))]
+    assert lm.generate_until(requests) == [free[0].split(stop)[0], free[1], greedy(contexts[1], 5),
+                                           greedy(contexts[1], 16)]
 
 
 def trainer_config(**keys):

@@ -332,6 +332,92 @@ def test_a_prompted_sample_trains_on_its_completion_alone_ended_by_the_tokenizer
     assert by_bytes.train[0]["labels"].tolist()[-1] == ord(".")  # no end-of-text token to append
 
 
+def with_a_bos_token(pretrained, folder):
+    """The pretrained folder's tokenizer, made to start every text with a BOS token as Llama's, Mistral's and Gemma's
+    tokenizer.json do (a TemplateProcessing post-processor)."""
+    import shutil
+
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    shutil.copytree(pretrained, folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<s>"])
+    bos = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder, bos
+
+
+@pytest.mark.parametrize("bos", [False, True], ids=["without BOS", "with a BOS token"])
+def test_a_prompt_and_its_completion_are_tokenized_together_with_one_bos_as_trl_does(tmp_path, pretrained, bos):
+    """TRL's rule: prompt + completion tokenized as one text, as many leading labels -100 as the prompt alone has
+    tokens, the end of text appended. A BOS token starts the sample once, the prompt's, never the completion's."""
+    from src.data.jsonl import IGNORE_INDEX, JsonlData
+
+    folder, bos_id = with_a_bos_token(pretrained, tmp_path / "bos") if bos else (pretrained, None)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    data = JsonlData(block_size=48, path=str(write_pairs(tmp_path)), prompt_key="prompt", tokenizer=str(folder),
+                     batch_size=4)
+    whole = tokenizer(PAIRS[0]["prompt"] + PAIRS[0]["text"])["input_ids"] + [tokenizer.eos_token_id]
+    prompt = len(tokenizer(PAIRS[0]["prompt"])["input_ids"])
+    sample = data.train[0]
+    assert sample["input_ids"].tolist() == whole
+    assert sample["labels"].tolist() == [IGNORE_INDEX] * prompt + whole[prompt:]
+    assert sample["input_ids"].tolist().count(bos_id) == (1 if bos else 0) and whole[0] == (bos_id or whole[0])
+
+
+def test_a_chat_is_tokenized_without_the_tokenizers_bos_since_its_template_writes_its_own(tmp_path, pretrained):
+    from src.data.jsonl import IGNORE_INDEX, JsonlData
+
+    folder, bos_id = with_a_bos_token(pretrained, tmp_path / "bos")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "<s>" + CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = [{"prompt": [{"role": "user", "content": f"who speaks {i}?"}],
+             "text": [{"role": "assistant", "content": f"ROMEO {i}"}]} for i in range(10)]
+    data = JsonlData(block_size=64, path=str(write_pairs(tmp_path, rows)), prompt_key="prompt", tokenizer=str(folder),
+                     batch_size=4)
+    ids, labels = data.train[0]["input_ids"].tolist(), data.train[0]["labels"].tolist()
+    assert ids[0] == bos_id and ids.count(bos_id) == 1  # the template's, and no second one from the tokenizer
+    assert labels[0] == IGNORE_INDEX and labels[-1] != IGNORE_INDEX
+
+
+def test_documents_that_tokenize_to_nothing_are_skipped_by_every_option_and_packing_never_meets_one(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from src.data.hf_dataset import HFDataset
+    from src.data.jsonl import JsonlData
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "speech": 1, "answer": 2, "Q:": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(tmp_path / "words.json"))  # blank text is no token at all
+    rows = [{"text": ("  \n" if i % 2 else "") if i % 3 == 0 else f"speech {i}"} for i in range(30)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "docs.parquet"))
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    # A completion without tokens trains nothing; an empty prompt is a prompt like any other.
+    pairs = [{"prompt": "" if i % 2 else "Q:", "text": " " if i % 5 == 0 else f" answer {i}"} for i in range(30)]
+    datasets.Dataset.from_list(pairs).to_parquet(str(tmp_path / "pairs.parquet"))
+    kept = {"plain": 20, "prompted": 24}
+    for options, kind in (({}, "plain"), ({"prompt_column": "prompt"}, "prompted")):
+        path = tmp_path / ("docs.parquet" if kind == "plain" else "pairs.parquet")
+        for packing in (False, True, "cross_document"):
+            data = HFDataset(path=str(path), block_size=16, packing=packing, batch_size=4, val_fraction=0.5,
+                             tokenizer=str(tmp_path / "words.json"), **options)
+            samples = [data.train[i] for i in range(len(data.train))] + [data.val[i] for i in range(len(data.val))]
+            assert all(len(s["input_ids"]) == len(s["labels"]) > 0 for s in samples)
+            if packing is True:  # every document of the blocks, counted by where its positions restart
+                documents = sum(int((s["position_ids"] == 0).sum()) for s in samples)
+                assert documents == kept[kind], (kind, documents)
+                data.collate_fn(samples[:4])
+            elif packing is False:
+                assert len(samples) == kept[kind]
+    jsonl = JsonlData(block_size=16, path=str(tmp_path / "docs.jsonl"), batch_size=4,
+                      tokenizer=str(tmp_path / "words.json"))
+    assert len(jsonl.train) + len(jsonl.val) == kept["plain"]
+
+
 def test_hugging_face_datasets_prompt_the_same_way_padded_or_packed(tmp_path, pretrained):
     datasets = pytest.importorskip("datasets")
     from src.data.hf_dataset import HFDataset

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size
-from src.data.jsonl import conversation, pad_right, prompted, warn_untrained
+from src.data.jsonl import TOKENIZATION_RULE, pad_right, tokenized_documents, warn_untrained
 from src.data.packing import cross_document_blocks, packed_documents, packing_summary, pad_packed
 from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
@@ -153,26 +153,21 @@ class HFDataset(DataModule):
         # The cache key: the documents' own fingerprint (datasets keeps it as _fingerprint) and every setting
         # of the mapping, stated rather than left to datasets' hashing of the closure (a tokenizer inside).
         identity = hashlib.blake2b(digest_size=8)
-        for part in (documents._fingerprint, text_column, prompt_column, block_size, packing, mask_boundaries,
+        for part in (TOKENIZATION_RULE, documents._fingerprint, text_column, prompt_column, block_size, packing, mask_boundaries,
                      split_long, codec.kind, codec.end_of_text, codec.chat.source if codec.chat else "",
                      codec.tokenizer.to_str() if codec.tokenizer else ""):
             identity.update(str(part).encode())
 
         def tokenize(batch: dict) -> dict:
-            chats = prompt_column is None and any(isinstance(text, list) for text in batch[text_column])
-            if chats:
-                samples = [conversation(codec, text) for text in batch[text_column] if text]  # assistant turns
-            elif prompt_column is None:
-                samples = [(ids, ids) for ids in (codec.encode(text) for text in batch[text_column] if text)]
-            else:
-                samples = [prompted(codec, prompt if prompt is not None else "", text)
-                           for prompt, text in zip(batch[prompt_column], batch[text_column]) if text]
-            ids, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
+            ids, labels = tokenized_documents(codec, batch[text_column], batch[prompt_column] if prompt_column
+                                              else None)
+            if labels is None and packing:
+                labels = ids
             if packing is True:
                 return packed_documents(ids, labels, block_size, split_long)
             if packing == "cross_document":
                 return cross_document_blocks(ids, labels, block_size, mask_boundaries)
-            return {"input_ids": ids, "labels": labels} if prompt_column or chats else {"input_ids": ids}
+            return {"input_ids": ids} if labels is None else {"input_ids": ids, "labels": labels}
 
         return documents.map(tokenize, batched=True, remove_columns=documents.column_names,
                              new_fingerprint=identity.hexdigest(), desc="tokenizing")

@@ -29,6 +29,9 @@ from src.errors import UsageError
 from src.schema.signature import Arg
 
 IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)
+# How documents become samples (tokenized_documents); part of data=hf_dataset's cache key, so a change of the rule
+# never reuses samples an earlier rule made.
+TOKENIZATION_RULE = "2: prompt and completion tokenized together (TRL); documents without tokens skipped"
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +52,39 @@ class Documents(Dataset):
 
 
 def prompted(codec, prompt, completion) -> tuple[list[int], list[int]]:
-    """A prompt and its completion as one sample's ids and labels: the prompt's labels -100 (it conditions the
-    completion and is not trained on), the completion ended by the tokenizer's end-of-text token where it has one,
-    so that the model learns where an answer stops. Lists of messages ({role, content}, a conversation) are
-    rendered by the tokenizer's chat template instead, whose turns carry their own ends."""
-    end = [codec.end_of_text] if codec.end_of_text is not None else []
+    """A prompt and its completion as one sample's ids and labels, by TRL's rule (SFTTrainer's prompt-completion
+    data): the two tokenized together as one text, its first tokens, as many as the prompt alone tokenizes to,
+    labelled -100 (the prompt conditions the completion and is not trained on), and the tokenizer's end-of-text token
+    appended where it has one and the text does not end with it, so that the model learns where an answer stops. A
+    tokenizer that starts a text with a BOS token starts the sample with one, the prompt's. Lists of messages
+    ({role, content}, a conversation) are rendered by the tokenizer's chat template instead, which writes its own
+    BOS and turn ends: its text is tokenized without the tokenizer's special tokens, by the same rule."""
+    end, special = codec.end_of_text, True
     if isinstance(prompt, list) or isinstance(completion, list):
         prompt, completion = chat_texts(codec, list(prompt or []), list(completion))
-        end = []
-    prompt_ids, completion_ids = codec.encode(prompt), codec.encode(completion) + end
-    return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+        end, special = None, False
+    ids = codec.encode(prompt + completion, special)
+    if end is not None and ids[-1:] != [end]:
+        ids.append(end)
+    masked = min(len(codec.encode(prompt, special)), len(ids))
+    return ids, [IGNORE_INDEX] * masked + ids[masked:]
+
+
+def tokenized_documents(codec, texts: list, prompts: Optional[list] = None) -> tuple[list, Optional[list]]:
+    """Documents as token ids and labels (None: the ids themselves), by the one rule every option that reads
+    documents follows: a prompt and its completion by `prompted` (a row whose completion has no token is skipped),
+    conversations by `conversation`, plain text by the codec; a document that tokenizes to no token is skipped,
+    since a sample needs one (a packed block would otherwise fail when it is drawn)."""
+    if prompts is not None:  # a completion must have a token of its own; the prompt may be empty
+        samples = [prompted(codec, prompt if prompt is not None else "", text) for prompt, text in zip(prompts, texts)
+                   if text]
+        samples = [(ids, labels) for ids, labels in samples if labels and labels[-1] != IGNORE_INDEX]
+    elif any(isinstance(text, list) for text in texts):  # the loss on the assistant's turns
+        samples = [conversation(codec, text) for text in texts if text]
+    else:
+        return [ids for ids in map(codec.encode, texts) if ids], None
+    samples = [(ids, labels) for ids, labels in samples if ids]
+    return [ids for ids, _ in samples], [labels for _, labels in samples]
 
 
 def conversation(codec, messages: list) -> tuple[list[int], list[int]]:
@@ -145,16 +171,9 @@ class JsonlData(DataModule):
         # Padding is id 0 (pad_right); a character vocabulary is that of the strings (messages need a tokenizer).
         self.codec = codec_for(tokenizer, [t for t in texts + prompts if isinstance(t, str)],
                                revision=tokenizer_revision)
-        if prompt_key:  # the completion must not be empty; the prompt may be
-            samples = [prompted(self.codec, prompt or "", text) for prompt, text in zip(prompts, texts) if text]
-            documents, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
+        documents, labels = tokenized_documents(self.codec, texts, prompts if prompt_key else None)
+        if labels is not None:
             warn_untrained(labels, block_size, str(file))
-        elif any(isinstance(text, list) for text in texts):  # conversations: the loss on the assistant's turns
-            samples = [conversation(self.codec, text) for text in texts if text]
-            documents, labels = [ids for ids, _ in samples], [labels for _, labels in samples]
-            warn_untrained(labels, block_size, str(file))
-        else:
-            documents, labels = [ids for ids in map(self.codec.encode, texts) if ids], None
         n_val = max(1, int(len(documents) * val_fraction))
         if len(documents) - n_val < 1:
             raise ValueError(f"{file} has {len(documents)} non-empty documents: too few to train and validate")

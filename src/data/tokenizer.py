@@ -76,7 +76,9 @@ class Codec:
             return "tokenizer " + hashlib.blake2b(self.tokenizer.to_str().encode(), digest_size=8).hexdigest()
         return "bytes" if self.kind == "byte" else self.chars
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        """`special_tokens`: what the tokenizer adds around a whole text (a BOS token in front, for Llama's,
+        Mistral's or Gemma's); false for a piece of a text, or a text a chat template rendered with its own."""
         if self.kind == "byte":
             return list(text.encode("utf-8"))
         if self.kind == "char":
@@ -85,7 +87,7 @@ class Codec:
                 raise UsageError(f"{text!r}: the characters {''.join(unknown)!r} are not in the data's vocabulary "
                                  f"(character level: only the training file's {len(self.chars)} characters)")
             return [self._index[ch] for ch in text]
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text, add_special_tokens=special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         if self.kind == "byte":

@@ -55,7 +55,9 @@ class LiveModel(TemplateLM):
         return self.codec.identity()[:64]
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> list[int]:
-        return self.codec.encode(string)
+        # The harness encodes a context and its continuation apart: a BOS token in front of each would put one in
+        # the middle of every request (lm-eval's own HFLM adds none unless asked, as here).
+        return self.codec.encode(string, special_tokens=bool(add_special_tokens))
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         return super().loglikelihood(requests, disable_tqdm=True)  # no progress bar in the training log
@@ -102,8 +104,11 @@ class LiveModel(TemplateLM):
             context, options = request.args
             until = options.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            new_tokens = options.get("max_gen_toks", 256)
-            ids = self.tok_encode(context)[-max(self.max_length - new_tokens, 1):] or [self._eot]
+            # Context and continuation within the model's positions: max_gen_toks as far as the whole context
+            # leaves room, and never so far that less than half the block is left to the context.
+            ids = self.tok_encode(context) or [self._eot]
+            new_tokens = min(options.get("max_gen_toks", 256), max(self.max_length - len(ids), self.max_length // 2))
+            ids = ids[-(self.max_length - new_tokens):]
             generated = []
             for _ in range(new_tokens):
                 logits = self._forward([ids + generated])
