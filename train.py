@@ -119,7 +119,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     progress.close()
     preemption.close()
     telemetry.summary(run_dir, stop_reason or FINISHED, state, evaluate.last, progress.loss,
-                      run.data.consumed(train_loader, state, run.epoch_steps * state.global_batch))
+                      run.data.consumed(train_loader, state, run.epoch_samples))
     if stop_reason == PREEMPTED:  # resumed later from the checkpoint just saved
         stop_preempted(accelerator, preemption, run_dir)
 

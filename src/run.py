@@ -66,6 +66,11 @@ class Run:
     def trainer(self) -> DictConfig:
         return self.cfg.trainer
 
+    @property
+    def epoch_samples(self) -> Optional[int]:
+        """Samples per epoch, in whole global batches; None for a dataset without a length."""
+        return None if self.epoch_steps is None else self.epoch_steps * self.train_state().global_batch
+
     def read_pretrained_slices(self, model: torch.nn.Module) -> None:
         """Into the prepared model: where each rank reads its own slices of model.pretrained, it does so now (a
         resume's checkpoint holds every weight instead, unless it left out those that do not train)."""

@@ -1,5 +1,6 @@
 """User code as a user would add it (a model, an objective), for the tests that follow the open contract."""
 
+import functools
 import json
 import os
 import time
@@ -7,6 +8,7 @@ import time
 import torch
 
 from src.data.jsonl import JsonlData
+from src.data.text import TextData
 from src.models.gpt import GPT
 from src.objectives.classification import CausalLM
 
@@ -37,6 +39,26 @@ class UndeclaredJsonl(JsonlData):
     """Hugging Face-style labels (= input_ids) from a dataset that does not say so."""
 
     targets_are_inputs = False
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """A dataset's samples over and over, as an iterable without a length (a user's streamed data)."""
+
+    def __init__(self, samples):
+        self.samples = samples
+
+    def __iter__(self):
+        for i in range(10**9):
+            yield self.samples[i % len(self.samples)]
+
+
+class StreamedText(TextData):
+    """data=text whose training set has no length."""
+
+    @functools.wraps(TextData.__init__)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.train = Stream(self.train)
 
 
 class OutOfMemoryAbove(GPT):

@@ -127,9 +127,12 @@ def test_a_model_that_changes_its_logits_after_the_output_layer_is_refused_namin
 
     model.__class__ = ScalesItsLogits
     ids = torch.randint(0, VOCAB, (2, 24))
-    with pytest.raises(UsageError, match="objective.chunk_tokens") as refused:
-        Forward(CausalLM(chunk_tokens=8), compile=False).loss_sum(model, {"input_ids": ids}, ids)
-    assert "objective.chunk_tokens=null" in str(refused.value)
+    prompted = ids.clone()
+    prompted[:, :20] = -100  # a prompt longer than the tokens the check reads: it still reads tokens that count
+    for labels in (ids, prompted):
+        with pytest.raises(UsageError, match="objective.chunk_tokens") as refused:
+            Forward(CausalLM(chunk_tokens=8), compile=False).loss_sum(model, {"input_ids": ids}, labels)
+        assert "objective.chunk_tokens=null" in str(refused.value)
     Forward(CausalLM(chunk_tokens=None), compile=False).loss_sum(model, {"input_ids": ids}, ids)  # as suggested
 
 

@@ -115,3 +115,12 @@ def test_a_compiled_ddp_run_learns_what_the_eager_one_does_and_exports_weights_a
     assert abs(scalars(tmp_path / "eager", "eval/loss")[6] - scalars(tmp_path / "compiled", "eval/loss")[6]) < 1e-4
     tokens = torch.randint(0, exported_kwargs(tmp_path / "compiled")["vocab_size"], (2, 32))
     assert_exported_model_matches_final_checkpoint(tmp_path / "compiled", tokens)  # no "_orig_mod." in either
+
+
+def test_a_training_set_without_a_length_trains_to_the_end_and_writes_its_summary(tmp_path):
+    """A user's streamed data (an IterableDataset): no epochs to count, so the run ends at trainer.max_steps."""
+    run_dir = tmp_path / "run"
+    run([*TINY_GPT, *QUIET, "data._target_=tests.components.StreamedText", "data.batch_size=4", "trainer.max_steps=3",
+         f"hydra.run.dir={run_dir}"])
+    assert sorted(scalars(run_dir, "train/loss")) == [1, 2, 3]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3

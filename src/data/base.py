@@ -149,9 +149,9 @@ class DataModule:
     def sizes(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.provides()}
 
-    def consumed(self, loader, state, epoch_samples: int) -> dict[str, int]:
+    def consumed(self, loader, state, epoch_samples: Optional[int]) -> dict[str, int]:
         """What the run's summary states of the training data the run consumed up to `state` (`epoch_samples`
-        per whole epoch), e.g. a mixture's tokens per source; nothing here."""
+        per whole epoch; None for data without a length), e.g. a mixture's tokens per source; nothing here."""
         return {}
 
     def fingerprint(self) -> dict[str, Any]:
@@ -171,7 +171,7 @@ class DataModule:
         return DataLoader(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
-            shuffle=train,
+            shuffle=train and isinstance(dataset, Sized),  # an iterable dataset orders itself
             # Full micro-batches only, so every optimizer step sees the same number of samples.
             drop_last=train,
             num_workers=self.num_workers,
@@ -189,7 +189,7 @@ class DataModule:
         )
 
     def train_dataloader(self) -> DataLoader:
-        if len(self.train) < self.batch_size:
+        if isinstance(self.train, Sized) and len(self.train) < self.batch_size:
             raise UsageError(
                 f"data.batch_size={self.batch_size} is larger than the training set ({len(self.train)} samples)"
             )

@@ -69,7 +69,9 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
     iterating), so skipping the samples already consumed continues an interrupted epoch exactly. The
     position is counted in samples of all processes together, so it means the same on any layout.
     """
-    per_micro_step = loader.total_batch_size  # samples all processes take in one micro-step
+    # Samples all processes take in one micro-step (accelerate knows it from the batch sampler, which a dataset
+    # without a length has not: each process then takes its own batch of its shard of the stream).
+    per_micro_step = getattr(loader, "total_batch_size", None) or loader.batch_size * accelerator.num_processes
     while state.step < max_steps:
         loader.set_epoch(state.epoch)
         if hasattr(loader.dataset, "set_epoch"):  # accelerate forwards it only for some sampler layouts

@@ -111,12 +111,16 @@ def _loss_sum_of_chunk(hidden, weight, bias, targets, ignore_index: int) -> torc
 
 
 def check_the_model_keeps_its_logits(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, objective) -> None:
-    """On a prefix of the first micro-batch: the chunked loss against the plain one. A model that changes its logits
-    after the output layer (Gemma's soft-capping, a logit scale) gives another number."""
+    """On a prefix of the first micro-batch: the chunked loss against the plain one, its ignored targets replaced by
+    tokens that count. A model that changes its logits after the output layer (Gemma's soft-capping, a logit scale)
+    gives another number."""
     prefix = (slice(0, 1), slice(0, CHECKED_TOKENS))
     cut = (lambda t: t[prefix] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
     inputs = {k: cut(v) for k, v in inputs.items()} if isinstance(inputs, Mapping) else cut(inputs)
     targets = cut(targets)
+    if isinstance(targets, torch.Tensor):  # on tokens that count: a prompt's are all ignored, both losses then 0
+        spread = torch.arange(targets.numel(), device=targets.device).view_as(targets) * 7919
+        targets = torch.where(targets == objective.ignore_index, spread % output_layer(model).out_features, targets)
     with torch.no_grad():
         plain = objective.loss_sum(call_model(model, inputs), targets)
         with output_layer_loss(model, objective, targets):
