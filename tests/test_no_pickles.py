@@ -137,6 +137,11 @@ def test_state_trees_round_trip_exactly_and_refuse_what_only_pickle_could_store(
     assert all(torch.equal(back["optimizer"]["state"][0][k], v) for k, v in tree["optimizer"]["state"][0].items())
     assert back["python"] == tree["python"] and back["none"] is None and back["nan"] != back["nan"]
     assert all(np.array_equal(a, b) for a, b in zip(back["numpy"], tree["numpy"]))
+    # Tensors whose keys read alike as text keep apart: an int key and its string, a "/" in a key and a nesting.
+    alike = {1: torch.zeros(2), "1": torch.ones(2), "a/b": torch.full((2,), 2.0), "a": {"b": torch.full((2,), 3.0)}}
+    save_tree(alike, tmp_path / "alike.safetensors")
+    back = load_tree(tmp_path / "alike.safetensors")
+    assert [back[1][0], back["1"][0], back["a/b"][0], back["a"]["b"][0]] == [0, 1, 2, 3]
     with pytest.raises(TypeError) as error:
         save_tree({"param_groups": [{"lr": Planted(tmp_path / "ran")}]}, tmp_path / "bad.json")
     named(str(error.value), "Planted", "['param_groups'][0]['lr']")

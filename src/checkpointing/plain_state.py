@@ -78,7 +78,7 @@ def _encode(value: Any, path: tuple, tensors: Optional[dict], file: Path) -> Any
     if isinstance(value, torch.Tensor):
         if tensors is None:
             raise TypeError(f"{file}: the tensor at {_where(path)} cannot be kept in a JSON file")
-        name = "/".join(map(str, path)) or "."
+        name = json.dumps(list(path), default=repr)  # unique: 1 and "1", "a/b" and a -> b are apart
         tensors[name] = value.detach().contiguous()
         return {"tensor": name}
     if isinstance(value, dict):
