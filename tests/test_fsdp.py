@@ -69,6 +69,17 @@ def test_fsdp_trains_the_weights_ddp_trains_and_exports_a_loadable_tied_model(tm
     assert model.lm_head.weight is model.tok_emb.weight
 
 
+def test_eval_reads_an_fsdp_checkpoint_whole_on_one_process_as_the_export_holds_it(fsdp_run):
+    """eval.py's model of a sharded checkpoint: every rank's shards read into one whole model, no process group."""
+    from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
+
+    checkpoint = fsdp_run / "checkpoints" / "step_00000012"
+    model = load_checkpointed_model(checkpoint, run_config_for(checkpoint))
+    exported = load_exported_model(fsdp_run / "model")
+    assert max_abs_diff(model.state_dict(), exported.state_dict()) == 0
+    assert model.lm_head.weight is model.tok_emb.weight
+
+
 @pytest.mark.parametrize("model", [
     ["model._target_=tests.components.SaysHowItWasBuilt", "model.dropout=0.1"],  # rank 1 draws as rank 0 did
     ["model=hf_causal_lm", "data=jsonl", "objective=causal_lm", "model.block_size=48",  # untied, rotary buffers

@@ -9,7 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpointing.integrity import check_readable
 from src.checkpointing.layout import CONFIG_FILE, RUN_CONFIG
 from src.checkpointing.load import model_must_fit
-from src.checkpointing.training_state import MODEL_FILE, checked_base_weights, load_weights
+from src.checkpointing.training_state import checked_base_weights, load_whole_weights
 from src.errors import UsageError
 from src.schema.trusted import check_targets
 
@@ -36,5 +36,5 @@ def load_checkpointed_model(checkpoint: Path, run_cfg: DictConfig) -> torch.nn.M
     model = instantiate(run_cfg.model, _convert_="all")
     without_frozen = checked_base_weights(checkpoint, model)  # weights left out: model.pretrained's, read just now
     with model_must_fit(f"checkpoint {checkpoint}"):
-        load_weights(model, checkpoint / MODEL_FILE, without_frozen)
+        load_whole_weights(model, checkpoint, without_frozen)
     return model.eval()

@@ -182,6 +182,21 @@ def load_weights(model: torch.nn.Module, file: Path, without_frozen: bool, devic
     _all_there(model, missing, unexpected, without_frozen)
 
 
+def load_whole_weights(model: torch.nn.Module, checkpoint: Path, without_frozen: bool) -> None:
+    """A checkpoint's weights into a whole (unsharded) model on this process alone: model.safetensors, or an FSDP
+    checkpoint's shards of every rank read into it (for eval.py, on any number of processes)."""
+    if (checkpoint / MODEL_FILE).is_file() or not (checkpoint / f"{SHARDED_MODEL}_0").is_dir():
+        load_weights(model, checkpoint / MODEL_FILE, without_frozen)
+        return
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": _without(model.state_dict(), frozen_parameters(model) if without_frozen else set())}
+    try:  # in place, into the model's own tensors; no collective, so each process reads what it needs
+        dcp.load(state, storage_reader=sharded_reader(checkpoint / f"{SHARDED_MODEL}_0"), no_dist=True)
+    except Exception as error:  # DCP's CheckpointException names the missing keys; said as torch's own words
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t{error}") from None
+
+
 def _all_there(model: torch.nn.Module, missing, unexpected, without_frozen: bool) -> None:
     missing = sorted(set(missing) - (frozen_parameters(model) if without_frozen else set()))
     if missing or unexpected:  # as torch words it: src/checkpointing/load.py's model_must_fit rewords it
