@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpointing.checkpointer import resume_point
+from src.checkpointing.checkpointer import agreed_resume_point, resume_point
 from src.checkpointing.load import load_initial_weights
 from src.checkpointing.resume import check_same_data
 from src.checkpointing.training_state import leaves_out_frozen
@@ -96,6 +96,7 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
                             "trainer.gradient_accumulation_steps": launch.gradient_accumulation_steps.value})
     # Its collectives hold every rank here until all have checked the run dir above, before rank 0 writes.
     accelerator = build_accelerator(cfg.trainer, launch, run_dir)
+    checkpoint = agreed_resume_point(accelerator, checkpoint, cfg)  # rank 0's view of the run dir, on every rank
     set_seed(cfg.trainer.seed)
 
     # A pretrained model or tokenizer named by a hub id: downloaded once per machine before anyone reads it.

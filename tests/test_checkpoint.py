@@ -2,6 +2,7 @@
 
 import hashlib
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from src.checkpointing.integrity import write_checksums
+from src.checkpointing.layout import complete_checkpoints
 from src.errors import UsageError
 from src.optim.schedules import warmup_cosine
 from tests.conftest import (
@@ -17,6 +19,7 @@ from tests.conftest import (
     ROOT,
     TINY_GPT,
     exported_weights,
+    free_port,
     kill_when,
     max_abs_diff,
     named,
@@ -406,3 +409,21 @@ def test_a_layout_whose_checkpoints_would_not_be_ours_is_refused_before_training
     named(str(error.value), *(["DEEPSPEED"] if layout == "deepspeed" else ["fsdp_version", "SHARDED_STATE_DICT"]))
     plugin.fsdp_version, plugin.state_dict_type = 2, StateDictType.SHARDED_STATE_DICT  # config/accelerate/fsdp.yaml's
     check_supported(SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=plugin)))
+
+
+def test_every_rank_resumes_the_checkpoint_rank_0_sees_or_the_launch_stops_naming_both(tmp_path):
+    """On NFS a rank's cached listing of the run dir can lag: resume=auto would pick another step on that rank.
+    Rank 0's checkpoint wins where the config is the same; otherwise the launch stops (not a hang, not two steps)."""
+    run_dir = tmp_path / "run"
+    run([*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=2", "trainer.checkpoint_every=1",
+         "trainer.monitor=null", f"hydra.run.dir={run_dir}"])
+    older, newest = complete_checkpoints(run_dir)
+    script = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+              str(free_port()), "tests/stale_listing.py"]
+    out = tmp_path / "agreed"
+    ran = run([str(newest), str(older), "same-config", str(out)], command=script)
+    assert [Path(f"{out}.rank{rank}").read_text() for rank in (0, 1)] == [str(newest)] * 2
+    assert "rank 1 saw" in ran.stdout and str(older) in ran.stdout
+    stopped = run([str(newest), "none", "other-config", str(tmp_path / "no")], command=script, check=False)
+    assert stopped.returncode != 0 and not Path(f"{tmp_path / 'no'}.rank1").exists()
+    named(stopped.stdout, "rank 1 would resume from no checkpoint", str(newest), "resume=PATH")

@@ -51,7 +51,7 @@ from src.checkpointing.training_state import (
     sharded,
     write_main_states,
 )
-from src.errors import UsageError
+from src.errors import LaunchError, UsageError
 from src.loop.train_state import TrainState, improves
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,32 @@ def resume_point(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> tuple[
     if checkpoint:
         check_readable(checkpoint)  # whole, uncorrupted, no pickle-format file: before its config is read
     return (checkpoint, config_for_resume(cfg, checkpoint, overrides)) if checkpoint else (None, cfg)
+
+
+def agreed_resume_point(accelerator: Accelerator, checkpoint: Optional[Path], cfg: DictConfig) -> Optional[Path]:
+    """Rank 0's checkpoint, which every rank continues from. Each rank chose one by listing the run dir before the
+    processes could talk (the choice decides how they connect); on a network filesystem that caches directory
+    entries (NFS) a rank can list another newest checkpoint than rank 0, or none. A rank whose choice gave the same
+    config takes rank 0's; any other disagreement stops the launch, naming both, rather than resume two steps."""
+    if accelerator.num_processes == 1:
+        return checkpoint
+    from accelerate.utils import broadcast_object_list
+
+    mine = [str(checkpoint) if checkpoint else None, OmegaConf.to_yaml(cfg)]
+    chosen, config = broadcast_object_list([mine if accelerator.is_main_process else None])[0]
+    if chosen == mine[0]:
+        return checkpoint
+    if config != mine[1]:  # that rank stops; the launcher stops the others, as for another run dir
+        raise LaunchError(f"rank {accelerator.process_index} would resume from {mine[0] or 'no checkpoint'} and rank 0 "
+                          f"from {chosen or 'no checkpoint'}, with another config: the ranks do not see the same "
+                          "run dir. Give every rank the same view of it (NFS: mount it with lookupcache=positive or "
+                          "actimeo=0) or name the checkpoint with resume=PATH")
+    log.warning("resume: rank %d saw %s in the run dir, rank 0 %s (a network filesystem's cached directory "
+                "listing?): continuing from rank 0's", accelerator.process_index, mine[0] or "no checkpoint",
+                chosen or "no checkpoint")
+    if chosen is not None:
+        check_readable(Path(chosen))
+    return Path(chosen) if chosen else None
 
 
 class Checkpointer:
@@ -183,7 +209,7 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()
         accelerator, final = self.accelerator, self.root / step_dir_name(state.step)
-        if final.exists():  # e.g. the best checkpoint and the periodic one fall on the same step
+        if self._on_disk(final):  # e.g. the best checkpoint and the periodic one fall on the same step
             return final
         tmp = self.root / f".tmp-{final.name}"
         if accelerator.is_main_process:
@@ -228,6 +254,16 @@ class Checkpointer:
             accelerator.wait_for_everyone()
         accelerator.log({"checkpoint/blocking_s": time.perf_counter() - started}, step=state.step)
         return final
+
+    def _on_disk(self, checkpoint: Path) -> bool:
+        """Whether rank 0 sees `checkpoint`: every rank acts on its answer (on a network filesystem a rank's own
+        look could disagree, and ranks that skip a save while others write it hang)."""
+        seen = checkpoint.exists()
+        if self.accelerator.num_processes == 1:
+            return seen
+        from accelerate.utils import broadcast_object_list
+
+        return bool(broadcast_object_list([seen])[0])
 
     def _save_in_background(self, state_dict: dict, storage_writer) -> None:
         """torch.distributed.checkpoint.save's place under FSDP with trainer.async_checkpoint: async_save, each
