@@ -107,10 +107,13 @@ def test_a_sharded_start_builds_the_model_on_rank_0_alone_and_trains_the_weights
     assert max_abs_diff(exported_weights(whole), exported_weights(sharded)) == 0
 
 
-def whole_copy_and_sliced(tmp_path: Path, args: list, script: str = FSDP_ON_CPU["script"], env=None) -> dict:
+def whole_copy_and_sliced(tmp_path: Path, args: list, script: str = FSDP_ON_CPU["script"], env=None,
+                          launcher_flags: tuple = ()) -> dict:
     """The same run launched twice under config/accelerate/fsdp.yaml on 2 processes: every rank reading the weights
-    whole (`whole`), and the sharded start where each rank reads its own slices (`sliced`); run dir -> output."""
+    whole (`whole`), and the sharded start where each rank reads its own slices (`sliced`); run dir -> output.
+    `launcher_flags`: accelerate launch's own, for both."""
     *launcher, script = launch_command(script, 2, "fsdp")
+    launcher += launcher_flags
     whole_copy_per_rank = [*launcher, "--fsdp_cpu_ram_efficient_loading", "false", script]
     commands = {tmp_path / "whole": whole_copy_per_rank, tmp_path / "sliced": [*launcher, script]}
     return {run_dir: run([*args, f"hydra.run.dir={run_dir}"], command=command, env=env).stdout
@@ -138,19 +141,22 @@ def llama_in_several_files(tmp_path_factory, pretrained) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("folder, adapter", [
-    ("pretrained", ["model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}"]),  # tied
-    ("llama_in_several_files", []),
-], ids=["gpt2_tied_with_lora", "llama_in_several_files"])
+@pytest.mark.parametrize("folder, adapter, launcher_flags", [
+    ("pretrained", ["model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}"], ()),  # tied
+    ("llama_in_several_files", [], ()),
+    # accelerate's activation checkpointing renames every layer's weights (_checkpoint_wrapped_module.)
+    ("pretrained", ["model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}"],
+     ("--fsdp_activation_checkpointing", "true")),
+], ids=["gpt2_tied_with_lora", "llama_in_several_files", "lora_with_activation_checkpointing"])
 def test_a_sharded_start_of_a_pretrained_folder_reads_each_ranks_slices_and_trains_the_weights_of_whole_copies(
-        tmp_path, request, folder, adapter):
+        tmp_path, request, folder, adapter, launcher_flags):
     """No rank reads the folder whole, rank 0 neither: each reads its shard's rows of every weight from the files."""
     folder = request.getfixturevalue(folder)
     args = ["model=hf_causal_lm", f"model.pretrained={folder}", "model.block_size=48", "data.batch_size=4", *adapter,
             "optimizer.lr=3e-2", "scheduler.warmup_steps=1", "trainer.max_steps=3", "trainer.checkpoint_every=0",
             *QUIET]
     whole, sliced = tmp_path / "whole", tmp_path / "sliced"
-    launched = whole_copy_and_sliced(tmp_path, args)
+    launched = whole_copy_and_sliced(tmp_path, args, launcher_flags=launcher_flags)
     assert "each rank reads its own slices of model.pretrained" in launched[sliced]
     assert "each rank reads its own slices" not in launched[whole]
     assert scalars(whole, "train/loss") == scalars(sliced, "train/loss")

@@ -107,3 +107,17 @@ def test_a_run_in_a_memory_limited_cgroup_states_the_limit_as_its_memory_per_ran
         assert "cgroup" in row and room and float(room.group(1)) < 3.0, row  # the limit, less what the run uses
     finally:
         group.rmdir()
+
+
+def test_a_parameter_is_named_in_files_without_what_any_wrapper_adds():
+    """DDP, torch.compile, activation checkpointing, FSDP1 and peft each insert segments into the names; checkpoints,
+    exports and pretrained folders hold the model's own (a peft model's base: the folder's)."""
+    from src.models.parameter_names import name_in_files
+
+    wrapped = "module._orig_mod.transformer.h.0._checkpoint_wrapped_module.attn.c_attn.weight"
+    assert name_in_files(wrapped) == "transformer.h.0.attn.c_attn.weight"
+    assert name_in_files("_fsdp_wrapped_module.lm_head.weight") == "lm_head.weight"
+    peft = "base_model.model.transformer.h.0._checkpoint_wrapped_module.attn.c_attn.base_layer.weight"
+    assert name_in_files(peft, base=True) == "transformer.h.0.attn.c_attn.weight"
+    assert name_in_files("base_model.model.score.modules_to_save.default.weight", base=True) == "score.weight"
+    assert name_in_files("encoder.module.weight") == "encoder.module.weight"  # a user's own submodule named so

@@ -36,6 +36,7 @@ from safetensors.torch import load_model, save_file
 from src.checkpointing.export import without_tied_copies
 from src.checkpointing.plain_state import load_tree, merge, save_tree, sharded_reader, sharded_writer, split_tensors
 from src.errors import UsageError
+from src.models.parameter_names import name_in_files
 
 MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
 SCHEDULER_FILE, SCALER_FILE = "scheduler.json", "scaler.json"
@@ -208,9 +209,9 @@ def _all_there(model: torch.nn.Module, missing, unexpected, without_frozen: bool
 def frozen_parameters(model: torch.nn.Module) -> set[str]:
     """The names of the parameters that do not train (a LoRA adapter's base model), tied names included (torch's
     StateDictOptions(ignore_frozen_params) misses those: it keeps a frozen lm_head tied to its embedding), as state
-    dicts name them: without the wrappers of activation checkpointing and torch.compile."""
-    return {name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-            for name, parameter in model.named_parameters(remove_duplicate=False) if not parameter.requires_grad}
+    dicts name them: without the wrappers' segments (src/models/parameter_names.py)."""
+    return {name_in_files(name) for name, parameter in model.named_parameters(remove_duplicate=False)
+            if not parameter.requires_grad}
 
 
 def _without(state_dict: dict, names: set[str]) -> dict:

@@ -33,6 +33,7 @@ from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig
 
 from src.launch.sharded_start import is_sharded_start
+from src.models.parameter_names import name_in_files
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ MODEL_TARGET = "src.models.hf_causal_lm.causal_lm_from_config"
 INDEX_FILE = "model.safetensors.index.json"  # a model saved in several files: which file holds each weight
 ADAPTER_INITS_WITHOUT_BASE_WEIGHTS = (True, False, "gaussian")  # peft's LoRA initialisations that read no weight
 ADAPTER_WEIGHT = re.compile(r"\.lora_[A-Za-z_]+\.")  # lora_A, lora_B, lora_embedding_A, ...
-WRAPPED_BY_PEFT = re.compile(r"\.(base_layer|original_module|modules_to_save\.[^.]+)(?=\.)")
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def load_slices(accelerator: Accelerator, model: torch.nn.Module, plan: Pretrain
     with ExitStack() as files, torch.no_grad():
         opened: dict[str, _WeightsFile] = {}
         for names, tensor, required in _weights_of(model):
-            base_names = [WRAPPED_BY_PEFT.sub("", name.removeprefix("base_model.model.")) for name in names]
+            base_names = [name_in_files(name, base=True) for name in names]  # the folder's, whatever wraps it
             planned = next((name for name in base_names if name in plan.sources), None)
             if planned is None:
                 if not required or ADAPTER_WEIGHT.search(names[0]):  # an adapter's: broadcast from rank 0's
