@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from src.checkpointing.integrity import write_checksums
+from src.checkpointing.checksums import SHARD_SUMS, checksum, write_checksums
 from src.checkpointing.layout import complete_checkpoints
 from src.errors import UsageError
 from src.optim.schedules import warmup_cosine
@@ -255,6 +255,11 @@ def test_resume_from_a_checkpoint_corrupted_mid_file_names_the_file(finished_run
     optimizer_file.write_bytes(bytes(data))
     with safe_open(optimizer_file, framework="pt"):  # the corruption passes safetensors' own check
         pass
+    from src.checkpointing.integrity import check_readable
+
+    # The check before the config is read leaves the weights' and states' bytes to the rank that reads them (no
+    # rank reads the whole checkpoint twice): that rank refuses them.
+    check_readable(optimizer_file.parent)
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={finished_run}"], check=False)
     refused(proc, str(optimizer_file), "CRC mismatch")
 
@@ -315,7 +320,10 @@ def fsdp_shaped_checkpoint(directory: Path) -> Path:
     save_tree({"step": 10, "torch_manual_seed": torch.get_rng_state()}, checkpoint / "random_states_0.safetensors")
     (checkpoint / "train_state.json").write_text(json_module.dumps({"step": 10}))
     (checkpoint / "run_config.yaml").write_text("trainer: {}\n")
-    write_checksums(checkpoint)
+    folders = [checkpoint / "pytorch_model_fsdp_0", checkpoint / "optimizer_0"]
+    for folder in folders:  # the CRCs each rank's writer reports of its shard (src/checkpointing/plain_state.py)
+        (folder / SHARD_SUMS).write_text(json_module.dumps({f.name: checksum(f) for f in folder.glob("shard-*")}))
+    write_checksums(checkpoint, folders)
     return checkpoint
 
 

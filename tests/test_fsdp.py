@@ -101,7 +101,8 @@ def test_a_sharded_start_builds_the_model_on_rank_0_alone_and_trains_the_weights
         assert "rank 1 built with values: True" in launched[whole].stdout
         assert "rank 1 built with values: False" in launched[sharded].stdout
         assert "rank 0 built with values: True" in launched[sharded].stdout
-        exported = load_exported_model(sharded / "model")
+        # The export names the test's own model: trusted here, as the run's command line named it.
+        exported = load_exported_model(sharded / "model", trusted=[model[0].split("=")[1]])
         assert exported.lm_head.weight is exported.tok_emb.weight
     assert scalars(whole, "train/loss") == scalars(sharded, "train/loss")
     assert max_abs_diff(exported_weights(whole), exported_weights(sharded)) == 0
@@ -226,6 +227,28 @@ def test_a_pickle_planted_in_a_sharded_checkpoint_is_refused_at_resume_on_every_
     assert proc.returncode != 0 and "step 13/" not in proc.stdout  # torch's launcher reports its ranks' exits
     named(proc.stdout, str(optimizer / ".metadata"), "pickle format")
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("changed", ["optimizer_0/shard-00002-of-00002.safetensors", "optimizer_0/plain_values.json"])
+def test_a_byte_changed_in_any_file_of_a_sharded_checkpoint_is_refused_naming_it(tmp_path, fsdp_run, changed):
+    """A shard's tensor bytes (its header intact, so safetensors' own check passes) or the optimizer's plain values
+    (still valid JSON): each file has its CRC in checksums.json, which the rank that reads it compares."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(fsdp_run, run_dir)
+    file = run_dir / "checkpoints" / "step_00000012" / changed
+    data = bytearray(file.read_bytes())
+    if file.suffix == ".json":
+        at = data.index(b"0.9")  # a beta of AdamW: another number, the same JSON
+        data[at:at + 3] = b"0.8"
+    else:
+        data[-8] ^= 0x01  # inside the last tensor's values
+    file.write_bytes(bytes(data))
+    proc = run([*ARGS, "trainer.max_steps=13", "resume=auto", f"hydra.run.dir={run_dir}"], nproc=2, check=False,
+               **FSDP_ON_CPU)
+    assert proc.returncode != 0 and "step 13/" not in proc.stdout
+    named(proc.stdout, str(file), "CRC")
 
 
 def test_an_fsdp_checkpoint_resumes_resharded_on_another_number_of_processes(tmp_path, fsdp_run):

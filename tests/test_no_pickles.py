@@ -206,7 +206,7 @@ def test_resume_eval_sample_and_load_exported_model_build_nothing_a_planted_conf
     The same run's own targets, named on the command line, are accepted."""
     from omegaconf import OmegaConf
 
-    from src.checkpointing.integrity import write_checksums
+    from src.checkpointing.checksums import write_checksums
 
     run_dir, marker, plant = tmp_path / "run", tmp_path / "ran", tmp_path / "plant.pkl"
     plant.write_bytes(pickle.dumps(Planted(marker)))

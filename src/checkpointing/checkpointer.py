@@ -36,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_model
 
 from src.checkpointing.export import export_model
-from src.checkpointing.integrity import check_readable, write_checksums
+from src.checkpointing.checksums import write_checksums
+from src.checkpointing.integrity import check_readable
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, EMA_FILE, STATE_FILE, complete_checkpoints, step_dir_name
 from src.checkpointing.load import load_checkpoint, seed_this_ranks_stream
 from src.checkpointing.resume import config_for_resume, resume_source
@@ -318,7 +319,9 @@ class Checkpointer:
         checkpoint, then rotation."""
         if write is not None:
             write()
-        write_checksums(tmp)  # what a resume compares each file against (safetensors keeps no checksum)
+        # What a resume compares each file against (safetensors keeps no checksum); the shards' CRCs, every rank's,
+        # came with their write results (src/checkpointing/plain_state.py).
+        write_checksums(tmp, sorted(folder for folder in tmp.iterdir() if folder.is_dir()))
         _fsync_tree(tmp)
         tmp.rename(final)  # the commit point: atomic on POSIX filesystems
         size_mb = _tree_size(final) / 2**20

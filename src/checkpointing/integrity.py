@@ -4,22 +4,20 @@ and none in a pickle format.
 Nothing of a checkpoint is ever unpickled (src/checkpointing/training_state.py writes safetensors and JSON only),
 so a file in a pickle format (torch.save's .bin/.pt/.pkl, torch.distributed.checkpoint's .metadata and .distcp) is
 not ours: an earlier version of this template or accelerate's save_state wrote it, or someone planted it. It is
-refused, named, unread. safetensors checks its header against the file's size, not the bytes of the tensors, so
-rank 0 records a CRC-32 of every file it writes (checksums.json) and the check compares them: a file corrupted in
-the middle would otherwise load silently. The shards of an FSDP checkpoint, written by every rank, are checked for
-their headers and for covering every tensor whole.
+refused, named, unread. So is a file the layout does not know, or one without a CRC-32 in checksums.json
+(src/checkpointing/checksums.py): the small files' bytes are compared here, the weights' and states' by the rank
+that reads them, as it reads them. The shards of an FSDP checkpoint are checked for their headers and for covering
+every tensor whole.
 """
 
 import json
-import logging
 import math
-import mmap
 import re
-import zlib
 from pathlib import Path
 
 from safetensors import safe_open
 
+from src.checkpointing.checksums import CHECKSUMS, recorded_checksums, verified
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, EMA_FILE, STATE_FILE
 from src.checkpointing.plain_state import SHARD_FILE, shard_file_name
 from src.checkpointing.training_state import (
@@ -34,9 +32,6 @@ from src.checkpointing.training_state import (
 )
 from src.errors import UsageError
 
-log = logging.getLogger(__name__)
-
-CHECKSUMS = "checksums.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".distcp", ".metadata")
 EVAL_OUTPUT = "eval_metrics.json"  # eval.py's report, written beside what it scored; never read back
 # Every name a checkpoint of ours holds (a second model, optimizer or schedule numbered _1, ...); anything else in
@@ -68,26 +63,32 @@ def check_readable(checkpoint: Path) -> None:
         if not any((checkpoint / name).exists() for name in alternatives):
             raise UsageError(f"checkpoint {checkpoint} is incomplete: {checkpoint / alternatives[0]} is missing"
                              + (f" (nor {', '.join(alternatives[1:])})" if len(alternatives) > 1 else ""))
-    recorded = _recorded_checksums(checkpoint)
+    recorded = recorded_checksums(checkpoint)
     for file in sorted(checkpoint.iterdir()):
         try:
             if file.is_dir():
                 _check_shards(file)
                 continue
-            if file.name in recorded and checksum(file) != recorded[file.name]:
-                raise ValueError(f"CRC mismatch: its content is not what was written ({CHECKSUMS})")
-            if file.suffix == ".safetensors":
-                with safe_open(file, framework="pt"):  # validates the header against the file size
+            if file.suffix == ".safetensors":  # its header against its size; its bytes where a rank reads it
+                with safe_open(file, framework="pt"):
                     pass
-            elif file.suffix == ".json":
-                json.loads(file.read_text())
         except Exception as error:
             raise UsageError(f"checkpoint file {file} is corrupt or truncated ({error}); "
                              f"resume from an older checkpoint with resume=PATH") from None
-    missing = sorted(name for name in recorded if not (checkpoint / name).is_file())
+    files = {file.relative_to(checkpoint).as_posix() for file in checkpoint.rglob("*") if file.is_file()}
+    unrecorded = sorted(files - set(recorded) - {CHECKSUMS, EVAL_OUTPUT})
+    if unrecorded:
+        raise UsageError(f"checkpoint file {checkpoint / unrecorded[0]} has no checksum in {checkpoint / CHECKSUMS}, "
+                         "so its bytes cannot be checked: refused. Resume from a checkpoint this version wrote.")
+    missing = sorted(set(recorded) - files)
     if missing:
         raise UsageError(f"checkpoint {checkpoint} is incomplete: {checkpoint / missing[0]} is missing ({CHECKSUMS} "
                          "lists it); resume from an older checkpoint with resume=PATH")
+    # The small files (the config, the position, the data's fingerprint, values): read by every rank, some before
+    # the processes talk, so checked here; the weights and states by the rank that reads them (checksums.verified).
+    for name in sorted(recorded):
+        if name.endswith((".json", ".yaml")):
+            verified(checkpoint, checkpoint / name)
 
 
 def _not_of_the_layout(checkpoint: Path) -> list[Path]:
@@ -100,34 +101,6 @@ def _not_of_the_layout(checkpoint: Path) -> list[Path]:
         elif not (path.is_file() and KNOWN_FILES.fullmatch(path.name)):
             strangers.append(path)
     return strangers
-
-
-def checksum(file: Path) -> str:
-    """CRC-32 of the file, read through a memory map: twice as fast as reading it into buffers (about 2 GB/s from
-    the page cache, where a file just written is)."""
-    if file.stat().st_size == 0:
-        return f"{0:08x}"
-    with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        return f"{zlib.crc32(mapped):08x}"
-
-
-def write_checksums(directory: Path) -> None:
-    """Rank 0, before the commit: a CRC-32 of each file directly in `directory` (the shards of FSDP, written by
-    every rank, are checked by their headers and coverage instead)."""
-    files = [file for file in sorted(directory.iterdir()) if file.is_file() and file.name != CHECKSUMS]
-    sums = {file.name: checksum(file) for file in files}
-    (directory / CHECKSUMS).write_text(json.dumps(sums, indent=2))
-
-
-def _recorded_checksums(checkpoint: Path) -> dict:
-    file = checkpoint / CHECKSUMS
-    if not file.is_file():
-        raise UsageError(f"checkpoint {checkpoint} is incomplete: {file} is missing")
-    try:
-        return json.loads(file.read_text())
-    except ValueError as error:
-        raise UsageError(f"checkpoint file {file} is corrupt or truncated ({error}); resume from an older "
-                         "checkpoint with resume=PATH") from None
 
 
 def _check_shards(directory: Path) -> None:

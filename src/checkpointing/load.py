@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import load_model
 
+from src.checkpointing.checksums import verified
 from src.checkpointing.layout import DATA_FILE, EMA_FILE, STATE_FILE
 from src.checkpointing.training_state import checked_base_weights, random_states_file
 from src.checkpointing.training_state import load as load_training_state
@@ -49,7 +50,7 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
                             without_frozen=without_frozen)
     if ema is not None:  # written by rank 0, read by every rank: each keeps the same average
         with model_must_fit(f"checkpoint {checkpoint}"):
-            load_model(ema, checkpoint / EMA_FILE, strict=True, device=str(accelerator.device))
+            load_model(ema, verified(checkpoint, checkpoint / EMA_FILE), strict=True, device=str(accelerator.device))
     if not rng_file.is_file():  # a rank the writing run did not have: its own stream, not rank 0's copy
         seed_this_ranks_stream(seed, saved["step"], accelerator.process_index)
     state.load_state_dict({key: value for key, value in saved.items() if key in POSITION_KEYS})

@@ -10,7 +10,7 @@ values, and a value of any other type is refused when it is saved, naming where 
 
 import json
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,6 +18,9 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from src.checkpointing.checksums import SHARD_SUMS, checksum, verified
 
 TREE = "tree"  # the header key holding the tree (safetensors keeps string metadata beside the tensors)
 
@@ -118,6 +121,14 @@ def _where(path: tuple) -> str:
     return "".join(f"[{key!r}]" for key in path) or "the top"
 
 
+@dataclass
+class ShardWritten(_StorageInfo):
+    """Where a rank wrote a tensor, and the CRC-32 of that rank's file: it reaches the coordinator (rank 0) with
+    torch.distributed.checkpoint's own gathering of the write results (pickled between our ranks: importable)."""
+
+    crc: str = ""
+
+
 def sharded_writer(directory: Path):
     """A torch.distributed.checkpoint storage writer whose files hold no pickle: each rank's shards as one
     safetensors file (`shard-<i>-of-<n>.safetensors`, i counting ranks from 1), each tensor's offset in the whole
@@ -134,7 +145,6 @@ def sharded_writer(directory: Path):
         HF_DCP_VERSION,
         SAVED_OFFSETS_KEY,
     )
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
@@ -150,31 +160,48 @@ def sharded_writer(directory: Path):
         def write_data(self, plan, planner):
             done = Future()
             name = shard_file_name(plan.storage_data["shard_index"], plan.storage_data["shards"])
-            tensors, offsets, results = {}, {}, []
+            tensors, offsets, sizes = {}, {}, []
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     raise TypeError(f"{directory}: {item.index.fqn} is not a tensor; it would have to be pickled")
                 tensor = planner.resolve_data(item).detach().to("cpu").contiguous()
                 tensors[item.index.fqn] = tensor
                 offsets[item.index.fqn] = {SAVED_OFFSETS_KEY: list(item.tensor_data.chunk.offsets)}
-                nbytes = tensor.numel() * tensor.element_size()
-                results.append(WriteResult(index=item.index, size_in_bytes=nbytes,
-                                           storage_data=_StorageInfo(name, 0, nbytes)))
+                sizes.append((item.index, tensor.numel() * tensor.element_size()))
             # Written even where empty (a rank may hold nothing of this state): every one of the n files is there.
             save_file(_unshared(tensors), str(directory / name),
                       metadata={CUSTOM_METADATA_KEY: json.dumps(offsets), DCP_VERSION_KEY: str(HF_DCP_VERSION),
                                 FORMAT_KEY: FORMAT_VALUE})
-            done.set_result(results)
+            crc = checksum(directory / name)  # from the page cache the file was just written to
+            done.set_result([WriteResult(index=index, size_in_bytes=nbytes, storage_data=ShardWritten(name, 0, nbytes, crc=crc))
+                             for index, nbytes in sizes])
             return done
+
+        def finish(self, metadata, results) -> None:
+            """The coordinator (rank 0), once every rank's file is written: their CRCs, for the commit's
+            checksums.json (src/checkpointing/checksums.py)."""
+            sums = {result.storage_data.relative_path: result.storage_data.crc for written in results
+                    for result in written}
+            for empty in directory.glob("shard-*.safetensors"):  # a rank that held nothing reported no result
+                sums.setdefault(empty.name, checksum(empty))
+            (directory / SHARD_SUMS).write_text(json.dumps(sums))
 
     return ShardWriter()
 
 
 def sharded_reader(directory: Path):
-    """The reader of what sharded_writer wrote (torch's own: safetensors and JSON headers only)."""
+    """The reader of what sharded_writer wrote (torch's own: safetensors and JSON headers only), each file this rank
+    reads checked against the checkpoint's checksums.json first (`directory` is one of a checkpoint's folders)."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    return HuggingFaceStorageReader(str(directory))
+    class VerifyingReader(HuggingFaceStorageReader):
+        def read_data(self, plan, planner):
+            for file in sorted({Path(self.storage_data[item.storage_index].relative_path).name
+                                for item in plan.items}):
+                verified(directory.parent, directory / file)
+            return super().read_data(plan, planner)
+
+    return VerifyingReader(str(directory))
 
 
 SHARD_FILE = re.compile(r"shard-(\d+)-of-(\d+)\.safetensors")

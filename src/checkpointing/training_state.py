@@ -33,6 +33,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from safetensors.torch import load_model, save_file
 
+from src.checkpointing.checksums import verified
 from src.checkpointing.export import without_tied_copies
 from src.checkpointing.plain_state import load_tree, merge, save_tree, sharded_reader, sharded_writer, split_tensors
 from src.errors import UsageError
@@ -153,21 +154,24 @@ def load(accelerator: Accelerator, directory: Path, with_random_states: bool, wi
     """Every rank: the states save wrote, into the prepared objects. `with_random_states`: this rank's streams too
     (a checkpoint of another layout has none for it, or another rank's). `without_frozen`: the parameters that do
     not train may be missing from it (the model holds them, read from model.pretrained)."""
+    def read(name: str) -> Path:  # each file this rank reads, its bytes checked first (checksums.verified)
+        return verified(directory, directory / name)
+
     if accelerator.scaler is not None:  # before an FSDP2 optimizer, whose state is set up by a step
-        accelerator.scaler.load_state_dict(load_tree(directory / SCALER_FILE))
+        accelerator.scaler.load_state_dict(load_tree(read(SCALER_FILE)))
     if sharded(accelerator):
         _load_sharded(accelerator, directory, without_frozen)
     else:
         on_gpus = accelerator.num_processes > 1 and accelerator.device.type != "cpu"  # as accelerate's load_state
         device = str(accelerator.device) if on_gpus else "cpu"
         for i, model in enumerate(accelerator._models):
-            load_weights(_unwrapped(accelerator, model), directory / numbered(MODEL_FILE, i), without_frozen, device)
+            load_weights(_unwrapped(accelerator, model), read(numbered(MODEL_FILE, i)), without_frozen, device)
         for i, optimizer in enumerate(accelerator._optimizers):
-            optimizer.load_state_dict(load_tree(directory / numbered(OPTIMIZER_FILE, i), device))
+            optimizer.load_state_dict(load_tree(read(numbered(OPTIMIZER_FILE, i)), device))
     for i, scheduler in enumerate(accelerator._schedulers):
-        scheduler.load_state_dict(load_tree(directory / numbered(SCHEDULER_FILE, i)))
+        scheduler.load_state_dict(load_tree(read(numbered(SCHEDULER_FILE, i))))
     if with_random_states:
-        states = load_tree(directory / random_states_file(accelerator.process_index))
+        states = load_tree(read(random_states_file(accelerator.process_index)))
         random.setstate(states["random_state"])
         np.random.set_state(states["numpy_random_seed"])
         torch.set_rng_state(states["torch_manual_seed"])
@@ -187,7 +191,7 @@ def load_whole_weights(model: torch.nn.Module, checkpoint: Path, without_frozen:
     """A checkpoint's weights into a whole (unsharded) model on this process alone: model.safetensors, or an FSDP
     checkpoint's shards of every rank read into it (for eval.py, on any number of processes)."""
     if (checkpoint / MODEL_FILE).is_file() or not (checkpoint / f"{SHARDED_MODEL}_0").is_dir():
-        load_weights(model, checkpoint / MODEL_FILE, without_frozen)
+        load_weights(model, verified(checkpoint, checkpoint / MODEL_FILE), without_frozen)
         return
     import torch.distributed.checkpoint as dcp
 
