@@ -227,6 +227,34 @@ def test_a_lora_checkpoint_is_refused_once_its_base_weights_have_changed(tmp_pat
         refused(proc, str(base), "file model.safetensors", "model.pretrained")
 
 
+def test_the_base_weights_fingerprint_covers_every_byte_and_is_hashed_once_per_version_of_a_file(tmp_path,
+                                                                                                monkeypatch):
+    """A byte changed anywhere in a large base file changes it (a sample of a megabyte would miss most); the hash of
+    a file is kept by its size and modification time, so the next start reads nothing."""
+    from types import SimpleNamespace
+
+    from src.checkpointing import checksums
+    from src.checkpointing.training_state import base_weights
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "base"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(bytes(range(256)) * (4 << 12))  # 4 MiB: 16 sampled chunks of 64 KiB cover a quarter
+    model = SimpleNamespace(config=SimpleNamespace(name_or_path=str(folder)))
+    before, sampled = base_weights(model), base_weights(model, sampled=True)
+    data = bytearray(weights.read_bytes())
+    data[(1 << 20) + 3 * (1 << 15)] ^= 0xFF  # between two sampled chunks
+    weights.write_bytes(bytes(data))
+    assert base_weights(model, sampled=True) == sampled  # what checkpoints recorded before: blind to it
+    assert base_weights(model) != before
+    def read_again(*args):
+        raise AssertionError(f"{weights} was hashed again")
+
+    monkeypatch.setattr(checksums.hashlib, "file_digest", read_again)
+    assert base_weights(model) != before  # the same size and time: the cached hash, no read
+
+
 def test_a_hub_id_trains_as_its_folder_does_read_from_the_hugging_face_cache(tmp_path, pretrained):
     """Offline (the suite sets HF_HUB_OFFLINE=1), as on compute nodes after `hf download` on a login node: the
     id's cached snapshot serves as the model's folder and as the data's tokenizer; the run is the folder's run."""

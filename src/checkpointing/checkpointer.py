@@ -111,7 +111,8 @@ class Checkpointer:
         unwrapped = accelerator.unwrap_model(model) if model is not None else None
         self.without_frozen = bool(cfg.model.get("pretrained")) and unwrapped is not None and bool(
             frozen_parameters(unwrapped))
-        self.base = base_weights(unwrapped) if self.without_frozen else None
+        # Rank 0 writes it with each checkpoint: the others never hash the base.
+        self.base = base_weights(unwrapped) if self.without_frozen and accelerator.is_main_process else None
         self.data_fingerprint = data_fingerprint or {}
         self.resume_from, self.data_changed = resume_from, data_changed
         trainer = cfg.trainer

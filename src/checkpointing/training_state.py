@@ -33,7 +33,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from safetensors.torch import load_model, save_file
 
-from src.checkpointing.checksums import verified
+from src.checkpointing.checksums import verified, whole_file_digest
 from src.checkpointing.export import without_tied_copies
 from src.checkpointing.plain_state import load_tree, merge, save_tree, sharded_reader, sharded_writer, split_tensors
 from src.errors import UsageError
@@ -222,15 +222,18 @@ def _without(state_dict: dict, names: set[str]) -> dict:
     return {name: value for name, value in state_dict.items() if name not in names}
 
 
-def base_weights(model: torch.nn.Module) -> dict[str, str]:
-    """The weight files of the folder a model.pretrained model was read from, each as its size and a hash of a
-    megabyte of it (src/data/base.py's file_digest): the base weights a checkpoint without them needs again."""
+def base_weights(model: torch.nn.Module, sampled: bool = False) -> dict[str, str]:
+    """The weight files of the folder a model.pretrained model was read from, each as its size and a hash of every
+    byte (checksums.whole_file_digest, cached per machine): the base weights a checkpoint without them needs again.
+    `sampled`: a megabyte of each instead (src/data/base.py's file_digest), as checkpoints before 2026-11-27
+    recorded them."""
     from src.data.base import file_digest
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft: the model it adapts
     folder = Path(getattr(getattr(base, "config", None), "name_or_path", "") or "")
     files = [f for f in sorted(folder.iterdir()) if f.suffix in (".safetensors", ".bin")] if folder.is_dir() else []
-    return {"folder": str(folder), **{f"file {f.name}": file_digest(f) for f in files}}
+    digest = file_digest if sampled else whole_file_digest
+    return {"folder": str(folder), **{f"file {f.name}": digest(f) for f in files}}
 
 
 def leaves_out_frozen(checkpoint: Path) -> bool:
@@ -243,7 +246,9 @@ def checked_base_weights(checkpoint: Path, model: torch.nn.Module) -> bool:
     trained on (see base_weights)."""
     if not leaves_out_frozen(checkpoint):
         return False
-    saved, now = json.loads((checkpoint / BASE_FILE).read_text()), base_weights(model)
+    saved = json.loads((checkpoint / BASE_FILE).read_text())
+    sampled = not any("blake2b" in value for key, value in saved.items() if key.startswith("file "))
+    now = base_weights(model, sampled)
     changed = [key for key in sorted(set(saved) | set(now)) if key != "folder" and saved.get(key) != now.get(key)]
     if changed:
         raise UsageError(f"checkpoint {checkpoint} left out the weights that do not train, to be read from "
