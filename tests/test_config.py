@@ -264,3 +264,13 @@ def test_the_readme_trainer_reference_is_the_schema():
     assert start in readme and end in readme
     table = readme[readme.index(start) + len(start) : readme.index(end)]
     assert table == markdown_reference("src.schema.trainer.TrainerConfig", "trainer.")
+
+
+def test_the_schema_command_lists_the_groups_a_group_or_a_components_keys_and_says_what_it_takes_otherwise(capsys):
+    from src.schema.__main__ import main
+
+    assert main([]) == 0 and "model=gpt" in capsys.readouterr().out  # was an IndexError traceback
+    assert main(["data"]) == 0 and "src.data.jsonl.JsonlData" in capsys.readouterr().out
+    assert main(["src.models.gpt.GPT"]) == 0 and "n_layer" in capsys.readouterr().out
+    assert main(["model=gpt"]) == 2  # neither a group nor a target: said, no traceback
+    named(capsys.readouterr().err, "model=gpt", "src.models.gpt.GPT")
