@@ -87,3 +87,15 @@ def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measu
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
     args = [*command, "--dir", str(tmp_path)] if command[0] in ("checkpoint", "scale") else command
     assert measured(benchmark_report(args)) > 0
+
+
+def test_the_development_page_describes_every_benchmark_and_benchmarks_md_links_only_inside_the_repository():
+    import re
+
+    from scripts.benchmark import BENCHMARKS
+
+    page = (ROOT / "docs" / "development.md").read_text()
+    names = [module.__name__.rsplit(".", 1)[1].replace("_", "-") for module in BENCHMARKS]
+    assert [name for name in names if f"`{name}`" not in page] == []
+    results = (ROOT / "scripts" / "BENCHMARKS.md").read_text()  # a clone has no ../shared of the team's
+    assert re.findall(r"\.\./shared", results) == []

@@ -274,3 +274,12 @@ def test_the_schema_command_lists_the_groups_a_group_or_a_components_keys_and_sa
     assert main(["src.models.gpt.GPT"]) == 0 and "n_layer" in capsys.readouterr().out
     assert main(["model=gpt"]) == 2  # neither a group nor a target: said, no traceback
     named(capsys.readouterr().err, "model=gpt", "src.models.gpt.GPT")
+
+
+def test_the_keys_a_resume_may_change_are_all_named_in_the_checkpoints_page():
+    from src.checkpointing.resume import LAYOUT_ON_RESUME, SAFE_ON_RESUME
+
+    page = (ROOT / "docs" / "checkpoints.md").read_text()
+    unnamed = [key for key in sorted((SAFE_ON_RESUME | LAYOUT_ON_RESUME) - {"resume"})
+               if f"`{key}`" not in page and f"`{key.split('.', 1)[1]}`" not in page]
+    assert unnamed == [], "docs/checkpoints.md does not list these keys a resume may change"
