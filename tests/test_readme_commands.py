@@ -1,7 +1,7 @@
-"""Every shell command of the README and of docs/ runs: each line of their ```bash blocks and each command of
-docs/launching.md's table is either run here, shortened (a tiny model, 2 steps, test data in place of /data
-paths), or listed with the reason it is not. A command added to or changed in them fails the first test until
-it is listed below, so the documentation cannot drift from the code unseen."""
+"""Every command of the README and of docs/ runs: each line of their ```bash blocks, each command in a table cell
+or inline in the prose, and each ```python block is either run here, shortened (a tiny model, 2 steps, test data
+in place of /data paths), or listed with the reason it is not. A command added to or changed in them fails the
+first test until it is listed below, so the documentation cannot drift from the code unseen."""
 
 import re
 
@@ -63,6 +63,15 @@ RUN = [
      {"trainer.max_steps=500": "trainer.max_steps=2"}, [*TINY, "trainer.eval_batches=1"]),
     ("python train.py -m hparams_search=optuna hydra.sweeper.n_trials=20 trainer.max_steps=500",
      {"n_trials=20": "n_trials=2", "trainer.max_steps=500": "trainer.max_steps=2"}, [*TINY, "trainer.eval_batches=1"]),
+    ("accelerate launch --num_processes 2 train.py", {}, [*TINY, *STEPS]),  # one process, and the warning that says so
+    ("python -m src.schema", {}, []),
+    ("python -m src.schema model", {}, []),
+    ("python -m src.schema src.models.gpt.GPT", {}, []),
+    ("python -m src.schema src.optim.optimizers.adamw", {}, []),
+    ("python -m src.schema --markdown src.schema.trainer.TrainerConfig trainer.", {}, []),
+    ("python scripts/env_check.py [--json]", {"[--json]": "--json"}, []),
+    ("python scripts/make_synthetic_cifar10.py data/cifar-10-batches-bin", {}, []),
+    ("python train.py hydra/launcher=submitit_slurm --cfg hydra -p hydra.launcher", {}, []),
 ]
 # On the local SLURM cluster (scripts/local_slurm.sh): nodes with one CPU and no GPU, as a user overrides.
 RUN_ON_SLURM = [
@@ -77,9 +86,43 @@ RUN_ON_SLURM = [
      "hydra.launcher.timeout_min=600 optimizer.lr=1e-3,3e-4", {"gpus_per_node=8": "gpus_per_node=null"},
      [*TINY, *STEPS]),
 ]
+ELIDED = "a command cut short (...) or a placeholder: the commands it stands for are run above"
+IN_PROSE = "a command or flag named in a sentence, not a command to type; what it refers to runs above"
+WALKTHROUGH_FILE = "the bring-your-own walkthrough's file: tests/test_readme_example.py writes and runs it verbatim"
 NOT_RUN = {
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt -r requirements-extras.txt "
     "&& python -m pytest tests": "the suite itself: .ci/run runs it verbatim (checked below)",
+    "python -m pytest tests": "the suite itself (.ci/run)",
+    "python -m pytest tests -m slow": "the slow tests, this one among them: .ci/run runs them after the suite",
+    "python -m pytest tests -m gpu": "needs a CUDA GPU (docs/development.md says when they last ran)",
+    "pip install -r requirements-extras.txt": "part of the README's test command, which .ci/run runs",
+    "pip install lm_eval": "in requirements-extras.txt, which the README's test command installs",
+    "tensorboard --logdir outputs": "a server that runs until stopped; the tests read the event files it shows "
+                                    "(conftest.scalars)",
+    "python scripts/benchmark.py NAME": "each benchmark takes minutes: tests/test_benchmarks.py runs their logic on "
+                                        "a small scale; figures are in scripts/BENCHMARKS.md",
+    "python scripts/benchmark.py scale": "minutes at the sizes that matter: tests/test_benchmarks.py covers its "
+                                         "logic; figures in scripts/BENCHMARKS.md",
+    "python sample.py gpt2 --prompt \"Hello,\"": "downloads from the Hugging Face hub (no network here); "
+                                                "sample.py runs on exports above",
+    "hf download NAME": "downloads from the Hugging Face hub (no network here)",
+    "hf download": IN_PROSE,
+    "scancel --signal=USR1 <job>": "needs a job of the user's: tests/test_slurm.py sends USR1 to its own jobs",
+    "sbatch slurm/train_multi_node.sbatch hydra.run.dir=outputs/slurm-1234 ...": ELIDED,
+    "python train.py -m hydra/launcher=submitit_slurm ...": ELIDED,
+    "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300 accelerate launch ...": ELIDED,
+    "python train.py ...": ELIDED,
+    "python train.py -m": IN_PROSE,
+    "accelerate launch": IN_PROSE,
+    "accelerate config": "interactive: it asks questions; the configs it writes are config/accelerate/*.yaml, run above",
+    "accelerate launch --num_processes N": IN_PROSE,
+    "accelerate launch --mixed_precision bf16": IN_PROSE,
+    "srun --kill-on-bad-exit=1": IN_PROSE,
+    "python block: from typing import Annotated": WALKTHROUGH_FILE,
+    "python block: import csv": WALKTHROUGH_FILE,
+    "python block: import torch": WALKTHROUGH_FILE,
+    "python block: from src.checkpointing.export import load_exported_model":
+        "outputs/RUN/model stands for a run's export: tests/test_training.py loads exports with it",
     "accelerate launch train.py model=mlp data=csv objective=mse trainer.max_steps=300 hydra.run.dir=outputs/mlp":
         "tests/test_readme_example.py runs it verbatim, with the example's files",
     "accelerate launch --multi_gpu --num_processes 2 train.py model=mlp data=csv objective=mse trainer.max_steps=300 "
@@ -128,15 +171,22 @@ NOT_RUN = {
 }
 
 
+# A command in inline code (prose or a table cell): what a user could type at a shell prompt.
+INLINE_COMMAND = re.compile(r"`((?:[A-Z_]+=\S+ )?(?:accelerate|python3?|torchrun|sbatch|srun|scancel|squeue|tensorboard|"
+                            r"pip|hf) [^`]*)`")
+
+
 def readme_commands() -> list[str]:
-    """Each line of each bash block (comments dropped) and each command of the Launching table."""
+    """Each line of each bash block (comments dropped), each command in inline code (prose and tables), and each
+    python block by its first line."""
     commands = []
     for page in (README, *DOCS.values()):
         for block in re.findall(r"```bash\n(.*?)```", page, flags=re.S):
             commands += [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
-    table = DOCS["launching.md"].split("# Launching")[1].split("\n\n")[1]
-    for row in table.splitlines()[2:]:
-        commands += re.findall(r"`((?:accelerate|python|torchrun|sbatch) [^`]*)`", row.split("|")[2])
+        prose = re.sub(r"```.*?```", "", page, flags=re.S)
+        commands += [" ".join(command.split()) for command in INLINE_COMMAND.findall(prose)]
+        commands += [f"python block: {block.splitlines()[0]}"
+                     for block in re.findall(r"```python\n(.*?)```", page, flags=re.S)]
     return commands
 
 
