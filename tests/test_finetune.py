@@ -413,10 +413,10 @@ def test_a_chat_is_tokenized_without_the_tokenizers_bos_since_its_template_write
 
 def test_documents_that_tokenize_to_nothing_are_skipped_by_every_option_and_packing_never_meets_one(tmp_path):
     datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
     from src.data.hf_dataset import HFDataset
     from src.data.jsonl import JsonlData
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = Tokenizer(models.WordLevel({"[UNK]": 0, "speech": 1, "answer": 2, "Q:": 3}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -114,7 +114,7 @@ NOT_RUN = {
     "python train.py ...": ELIDED,
     "python train.py -m": IN_PROSE,
     "accelerate launch": IN_PROSE,
-    "accelerate config": "interactive: it asks questions; the configs it writes are config/accelerate/*.yaml, run above",
+    "accelerate config": "interactive (it asks); the configs it writes are config/accelerate/*.yaml, run above",
     "accelerate launch --num_processes N": IN_PROSE,
     "accelerate launch --mixed_precision bf16": IN_PROSE,
     "srun --kill-on-bad-exit=1": IN_PROSE,
@@ -172,8 +172,8 @@ NOT_RUN = {
 
 
 # A command in inline code (prose or a table cell): what a user could type at a shell prompt.
-INLINE_COMMAND = re.compile(r"`((?:[A-Z_]+=\S+ )?(?:accelerate|python3?|torchrun|sbatch|srun|scancel|squeue|tensorboard|"
-                            r"pip|hf) [^`]*)`")
+INLINE_COMMAND = re.compile(r"`((?:[A-Z_]+=\S+ )?(?:accelerate|python3?|torchrun|sbatch|srun|scancel|squeue|"
+                            r"tensorboard|pip|hf) [^`]*)`")
 
 
 def readme_commands() -> list[str]:

@@ -35,8 +35,8 @@ from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_model
 
-from src.checkpointing.export import export_model
 from src.checkpointing.checksums import write_checksums
+from src.checkpointing.export import export_model
 from src.checkpointing.integrity import check_readable
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, EMA_FILE, STATE_FILE, complete_checkpoints, step_dir_name
 from src.checkpointing.load import load_checkpoint, seed_this_ranks_stream

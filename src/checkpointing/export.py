@@ -127,7 +127,9 @@ def load_exported_model(directory: str | Path, device: str | torch.device = "cpu
     if (directory / "config.json").is_file():  # a transformers model: its config.yaml may name a pretrained
         from transformers import AutoModelForCausalLM  # folder that is gone, config.json has the architecture
 
-        return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True).to(device).eval()
+        # safetensors only: a pytorch_model.bin planted beside the export is never unpickled
+        return AutoModelForCausalLM.from_pretrained(directory, local_files_only=True,
+                                                    use_safetensors=True).to(device).eval()
     for name in ("config.yaml", "model.safetensors"):
         if not (directory / name).is_file():
             raise FileNotFoundError(f"{directory / name} is missing: not an exported model directory")

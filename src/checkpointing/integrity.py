@@ -24,10 +24,10 @@ from src.checkpointing.training_state import (
     BASE_FILE,
     MODEL_FILE,
     OPTIMIZER_FILE,
+    PLAIN_VALUES,
     SCALER_FILE,
     SCHEDULER_FILE,
     SHARDED_MODEL,
-    PLAIN_VALUES,
     SHARDED_OPTIMIZER,
 )
 from src.errors import UsageError

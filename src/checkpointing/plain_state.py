@@ -173,7 +173,8 @@ def sharded_writer(directory: Path):
                       metadata={CUSTOM_METADATA_KEY: json.dumps(offsets), DCP_VERSION_KEY: str(HF_DCP_VERSION),
                                 FORMAT_KEY: FORMAT_VALUE})
             crc = checksum(directory / name)  # from the page cache the file was just written to
-            done.set_result([WriteResult(index=index, size_in_bytes=nbytes, storage_data=ShardWritten(name, 0, nbytes, crc=crc))
+            done.set_result([WriteResult(index=index, size_in_bytes=nbytes,
+                                         storage_data=ShardWritten(name, 0, nbytes, crc=crc))
                              for index, nbytes in sizes])
             return done
 

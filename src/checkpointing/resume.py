@@ -14,8 +14,8 @@ from src.errors import UsageError
 from src.schema.data_sizes import resolved_but_data_sizes
 from src.schema.keys import flatten
 from src.schema.signature import complete, schema_of
-from src.schema.trusted import check_targets, trusted_by
 from src.schema.trainer import TrainerConfig
+from src.schema.trusted import check_targets, trusted_by
 
 log = logging.getLogger(__name__)
 

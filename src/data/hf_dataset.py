@@ -154,8 +154,8 @@ class HFDataset(DataModule):
         # of the mapping, stated rather than left to datasets' hashing of the closure (a tokenizer inside).
         identity = hashlib.blake2b(digest_size=8)
         for part in (TOKENIZATION_RULE, documents._fingerprint, text_column, prompt_column, block_size, packing,
-                     mask_boundaries, split_long, codec.kind, codec.end_of_text, codec.chat.source if codec.chat else "",
-                     codec.tokenizer.to_str() if codec.tokenizer else ""):
+                     mask_boundaries, split_long, codec.kind, codec.end_of_text,
+                     codec.chat.source if codec.chat else "", codec.tokenizer.to_str() if codec.tokenizer else ""):
             identity.update(str(part).encode())
 
         def tokenize(batch: dict) -> dict:
