@@ -264,6 +264,17 @@ def test_resume_from_a_checkpoint_corrupted_mid_file_names_the_file(finished_run
     refused(proc, str(optimizer_file), "CRC mismatch")
 
 
+def test_a_checkpoint_corrupted_mid_file_is_refused_as_another_runs_starting_weights_too(finished_run, tmp_path):
+    checkpoint = finished_run / "checkpoints" / "step_00000006"
+    weights = checkpoint / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4] ^= 0x01  # the last value of the last tensor
+    weights.write_bytes(bytes(data))
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=1", f"trainer.init_weights={checkpoint}",
+                f"hydra.run.dir={tmp_path / 'anew'}"], check=False)
+    refused(proc, str(weights), "CRC mismatch")
+
+
 def test_resume_from_a_checkpoint_whose_model_shape_differs_names_the_tensor_and_changes_no_file(finished_run):
     """As after an edit of the model's code: the config builds a model the saved tensors do not fit."""
     model_file = finished_run / "checkpoints" / "step_00000006" / "model.safetensors"

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 from safetensors.torch import load_model
 
-from src.checkpointing.checksums import verified
+from src.checkpointing.checksums import CHECKSUMS, verified
 from src.checkpointing.layout import DATA_FILE, EMA_FILE, STATE_FILE
 from src.checkpointing.training_state import checked_base_weights, random_states_file
 from src.checkpointing.training_state import load as load_training_state
@@ -141,6 +141,8 @@ def load_initial_weights(model: torch.nn.Module, source: Path, model_cfg: DictCo
                          f"({there!r} there, {here!r} here), so each token id would mean another token: "
                          "tokenize this data as that run did (data.tokenizer, data.level)")
     if read:
+        if (source / CHECKSUMS).is_file():  # a checkpoint: its bytes as written (an export records no CRC)
+            verified(source, file)
         with model_must_fit(key, "Give this run the model settings (model.*) of the run that trained them."):
             load_model(model, file, strict=True)
 
