@@ -89,6 +89,7 @@ def chaos(tmp_path, nproc: int, phases: list[str], seed: int, max_steps: int) ->
     return kills
 
 
+@pytest.mark.slow  # waits out timeouts or a long run: in CI's slow pass
 def test_a_run_killed_during_a_save_a_step_and_an_export_ends_as_if_never_killed(tmp_path, record_property):
     kills = chaos(tmp_path, 1, ["save", "random", "export"], seed=1, max_steps=100)
     record_property("chaos", kills)

@@ -142,6 +142,7 @@ def test_a_launch_without_a_shared_store_is_refused_a_default_run_dir_and_accept
     assert compose_train([f"hydra.run.dir={tmp_path}"]).hydra.run.dir == str(tmp_path)  # typed: nothing to agree on
 
 
+@pytest.mark.slow  # waits out timeouts or a long run: in CI's slow pass
 def test_workers_that_form_no_process_group_stop_with_a_clear_error():
     """The trap the launch check exists for: N workers launched, but an Accelerator without cpu=True on a
     machine without CUDA is N independent rank-0 processes."""

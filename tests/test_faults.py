@@ -108,6 +108,7 @@ def end_launch(proc, stopped_worker=None) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # waits out timeouts or a long run: in CI's slow pass
 def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_nonzero_within_the_timeout(tmp_path):
     import os
     import signal
@@ -146,6 +147,7 @@ def test_a_stopped_rank_makes_the_other_report_its_stacks_and_the_launch_end_non
         end_launch(proc, stopped)
 
 
+@pytest.mark.slow  # waits out timeouts or a long run: in CI's slow pass
 def test_a_long_evaluation_is_no_hang_but_a_rank_stopped_inside_one_is_reported(tmp_path):
     """Evaluations longer than trainer.hang_report_s report their progress batch by batch: the one at step 2
     passes without a report (a 206M-parameter model's final evaluation ran past 300 s and every rank was
@@ -185,6 +187,7 @@ def test_a_long_evaluation_is_no_hang_but_a_rank_stopped_inside_one_is_reported(
         end_launch(proc, stopped)
 
 
+@pytest.mark.slow  # waits out timeouts or a long run: in CI's slow pass
 def test_workers_stop_when_their_launcher_is_killed_instead_of_training_on_orphaned(tmp_path):
     """torch's elastic agent starts workers in their own sessions: a `kill -9` of `accelerate launch` alone
     would leave them writing into a run dir that the resumed run then shares."""

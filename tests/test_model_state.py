@@ -73,6 +73,7 @@ def test_a_jobs_cgroup_limit_set_above_its_own_group_bounds_a_ranks_memory(tmp_p
     assert cgroup_memory_room(*v2) is None
 
 
+@pytest.mark.slow  # waits out timeouts or a long run: in CI's slow pass
 def test_a_run_in_a_memory_limited_cgroup_states_the_limit_as_its_memory_per_rank(tmp_path):
     """A real cgroup (root on this machine): the banner's memory per rank is what its limit leaves, not the host's."""
     import subprocess

@@ -102,6 +102,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
 """
 
 
+@pytest.mark.slow  # waits out timeouts or a long run: in CI's slow pass
 @pytest.mark.skipif(not glibc(), reason="glibc's malloc only")
 def test_a_cpu_run_reuses_the_memory_of_freed_activations_instead_of_faulting_it_in_every_step():
     users_choice = ("MALLOC_", "LD_PRELOAD", "GLIBC_TUNABLES")
