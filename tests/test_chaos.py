@@ -106,6 +106,7 @@ def test_a_run_killed_many_times_at_random_moments_ends_as_if_never_killed(tmp_p
     assert len(kills) >= 4
 
 
+@pytest.mark.slow  # with the other chaos tests
 def test_a_kill_during_the_export_of_the_best_model_is_redone_by_the_resume(tmp_path):
     """The only evaluation is the last step's, so nothing later would export the best model again."""
     for attempt in range(3):  # a busy machine can hide the export's few milliseconds from the poll: try again

@@ -11,7 +11,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from src.checkpointing.checksums import SHARD_SUMS, checksum, write_checksums
-from src.checkpointing.layout import complete_checkpoints
 from src.errors import UsageError
 from src.optim.schedules import warmup_cosine
 from tests.conftest import (
@@ -434,9 +433,8 @@ def test_every_rank_resumes_the_checkpoint_rank_0_sees_or_the_launch_stops_namin
     """On NFS a rank's cached listing of the run dir can lag: resume=auto would pick another step on that rank.
     Rank 0's checkpoint wins where the config is the same; otherwise the launch stops (not a hang, not two steps)."""
     run_dir = tmp_path / "run"
-    run([*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=2", "trainer.checkpoint_every=1",
-         "trainer.monitor=null", f"hydra.run.dir={run_dir}"])
-    older, newest = complete_checkpoints(run_dir)
+    newest = fsdp_shaped_checkpoint(run_dir / "checkpoints")  # complete checkpoints, as the checkpointer lays them out
+    older = Path(shutil.copytree(newest, newest.with_name("step_00000005")))
     script = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
               str(free_port()), "tests/stale_listing.py"]
     out = tmp_path / "agreed"

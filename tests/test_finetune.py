@@ -216,15 +216,19 @@ def test_a_lora_checkpoint_is_refused_once_its_base_weights_have_changed(tmp_pat
     args = ["model=hf_causal_lm", f"model.pretrained={base}", "model.block_size=48", "data.batch_size=4",
             "model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}", "trainer.monitor=null",
             "trainer.checkpoint_every=2", *QUIET, f"hydra.run.dir={run_dir}"]
+    from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
+
     run([*args, "trainer.max_steps=2"])
     checkpoint = run_dir / "checkpoints" / "step_00000002"
-    run([f"path={checkpoint}", "eval_batches=2"], script="eval.py")  # the base from the folder, the adapter saved
+    load_checkpointed_model(checkpoint, run_config_for(checkpoint))  # eval.py's: the folder's base, the adapter saved
     weights = load_file(base / "model.safetensors")
     weights["transformer.h.0.mlp.c_fc.weight"] += 1e-3  # a weight the adapter does not touch
     save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
-    for proc in (run([*args, "trainer.max_steps=3", "resume=auto"], check=False),
-                 run([f"path={checkpoint}", "eval_batches=2"], script="eval.py", check=False)):
-        refused(proc, str(base), "file model.safetensors", "model.pretrained")
+    refused(run([*args, "trainer.max_steps=3", "resume=auto"], check=False), str(base), "file model.safetensors",
+            "model.pretrained")
+    with pytest.raises(UsageError) as error:
+        load_checkpointed_model(checkpoint, run_config_for(checkpoint))
+    named(str(error.value), str(base), "file model.safetensors", "model.pretrained")
 
 
 def test_the_base_weights_fingerprint_covers_every_byte_and_is_hashed_once_per_version_of_a_file(tmp_path,

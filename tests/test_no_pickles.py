@@ -6,12 +6,12 @@ is refused by name."""
 
 import json
 import pickle
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 
+import sample
 from src.checkpointing.export import load_exported_model
 from src.errors import UsageError
 from tests.conftest import QUIET, TINY_GPT, named, refused, run
@@ -94,7 +94,7 @@ def test_resume_eval_sample_and_load_exported_model_never_run_a_planted_pickle(t
     plain_files_only(export)
     plant([export / name for name in ("pytorch_model.bin", "training_args.bin", "vocabulary.pkl")], marker)
     run([f"path={export}", "eval_batches=2"], script="eval.py")  # reads model.safetensors alone
-    run([str(export), "--prompt", "To be", "--tokens", "4"], command=[sys.executable, "sample.py"])
+    assert sample.main([str(export), "--prompt", "To be", "--tokens", "4"]) == 0  # sample.py, in this process
     load_exported_model(export)
     assert not marker.exists()
 
@@ -200,7 +200,7 @@ def test_a_node_building_interpolation_in_a_saved_config_is_refused():
     named(str(error.value), "export Y/config.yaml", "model=${oc.create:")
 
 
-def test_resume_eval_sample_and_load_exported_model_build_nothing_a_planted_config_names(tmp_path):
+def test_resume_eval_sample_and_load_exported_model_build_nothing_a_planted_config_names(tmp_path, capsys):
     """Gadgets in a checkpoint's run_config.yaml (its checksums.json rewritten to match, as whoever plants a file
     can) and in an export's config.yaml: every reader refuses them, naming the key and the value, and nothing runs.
     The same run's own targets, named on the command line, are accepted."""
@@ -223,8 +223,8 @@ def test_resume_eval_sample_and_load_exported_model_build_nothing_a_planted_conf
     OmegaConf.save(gadgets(plant, marker)["numpy.load"], export / "config.yaml")
     refused(run([f"path={export}", "eval_batches=2"], script="eval.py", check=False),
             "_target_=numpy.load", "+model._target_=numpy.load")
-    sampled = run([str(export), "--tokens", "4"], command=[sys.executable, "sample.py"], check=False)
-    assert sampled.returncode == 2 and "--trust-target numpy.load" in sampled.stdout, sampled.stdout[-2000:]
+    assert sample.main([str(export), "--tokens", "4"]) == 2  # sample.py, in this process
+    named(capsys.readouterr().err, "numpy.load", "--trust-target numpy.load")
     with pytest.raises(UsageError) as error:
         load_exported_model(export)
     named(str(error.value), "numpy.load", "trusted=['numpy.load']")

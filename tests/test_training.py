@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
@@ -105,6 +106,7 @@ def test_eval_entry_point_reproduces_the_final_eval_metric_of_training(tmp_path)
         assert abs(report["eval/loss"] - logged) < 1e-5, (source, report, logged)
 
 
+@pytest.mark.slow  # compiles twice (tests/test_compiled_step.py proves the compiled step in-process)
 def test_a_compiled_ddp_run_learns_what_the_eager_one_does_and_exports_weights_a_fresh_model_loads(tmp_path):
     args = [*TINY_GPT, *QUIET, "trainer.max_steps=6", "data.batch_size=8", "trainer.eval_batches=3"]
     for mode in ("eager", "compiled"):
