@@ -17,7 +17,7 @@ PRIVATE_NAMES = {
     ("torch.distributed.checkpoint._hf_utils", "FORMAT_KEY"): "plain_state.sharded_writer",
     ("torch.distributed.checkpoint._hf_utils", "FORMAT_VALUE"): "plain_state.sharded_writer",
     ("torch.distributed.checkpoint._hf_utils", "HF_DCP_VERSION"): "plain_state.sharded_writer",
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): "plain_state.ShardWritten",
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): "shard_written.ShardWritten",
     ("torch.distributed.checkpoint", "HuggingFaceStorageReader.read_data"): "plain_state.sharded_reader",
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"): "pretrained_slices",
     ("torch.distributed.distributed_c10d", "_get_default_store"): "faults/hang_watch",

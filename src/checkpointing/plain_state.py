@@ -10,7 +10,7 @@ values, and a value of any other type is refused when it is saved, naming where 
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from src.checkpointing.checksums import SHARD_SUMS, checksum, verified
 
@@ -121,14 +120,6 @@ def _where(path: tuple) -> str:
     return "".join(f"[{key!r}]" for key in path) or "the top"
 
 
-@dataclass
-class ShardWritten(_StorageInfo):
-    """Where a rank wrote a tensor, and the CRC-32 of that rank's file: it reaches the coordinator (rank 0) with
-    torch.distributed.checkpoint's own gathering of the write results (pickled between our ranks: importable)."""
-
-    crc: str = ""
-
-
 def sharded_writer(directory: Path):
     """A torch.distributed.checkpoint storage writer whose files hold no pickle: each rank's shards as one
     safetensors file (`shard-<i>-of-<n>.safetensors`, i counting ranks from 1), each tensor's offset in the whole
@@ -148,6 +139,8 @@ def sharded_writer(directory: Path):
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
     from torch.futures import Future
+
+    from src.checkpointing.shard_written import ShardWritten
 
     class ShardWriter(HuggingFaceStorageWriter):
         def __init__(self):
