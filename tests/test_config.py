@@ -37,6 +37,7 @@ def compose_train(overrides: list[str]):
 # Options that need a partner or a value to make a working run.
 PARTNERS = {
     "data=tokens": ["data.path=x.bin", "data.vocab_size=256"],
+    "data=shards": ["data.path=shards"],
     "model=resnet": ["data=cifar10"],
     "data=cifar10": ["model=resnet"],
     "data=jsonl": ["objective=causal_lm"],

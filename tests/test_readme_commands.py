@@ -42,6 +42,9 @@ RUN = [
      {"/data/cifar-10-batches-bin": "{cifar}"}, [*STEPS, "data.batch_size=8"]),
     ("python scripts/prepare_tokens.py data/tinyshakespeare.txt data/shakespeare.bin", {}, []),
     ("accelerate launch train.py data=tokens data.path=data/shakespeare.bin data.vocab_size=256", {}, [*TINY, *STEPS]),
+    ("python scripts/prepare_data.py data/shakespeare_speeches.jsonl data/speeches_shards --workers 2 "
+     "--val-fraction 0.1", {}, []),
+    ("accelerate launch train.py data=shards data.path=data/speeches_shards", {}, [*TINY, *STEPS]),
     ("accelerate launch train.py hydra.run.dir=outputs/my_run resume=auto", {}, [*TINY, *STEPS]),
     ("accelerate launch train.py resume=outputs/my_run/checkpoints/step_00000500 hydra.run.dir=outputs/fork",
      {"step_00000500": "step_00000002"}, [*TINY, *STEPS, "trainer.max_steps=3"]),

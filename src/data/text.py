@@ -41,11 +41,13 @@ class TokenWindows(Dataset):
         room = len(self.tokens) - 1 - (self.block_size - 1 if self.random_offset else 0)
         return max(0, room // self.block_size)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def start(self, i: int) -> int:
         if self.random_windows:  # any start that leaves room for the window and its last target
-            start = _mix(_mix(_mix(self.seed) ^ self.epoch) ^ i) % (len(self.tokens) - self.block_size)
-        else:
-            start = self.offset + i * self.block_size
+            return _mix(_mix(_mix(self.seed) ^ self.epoch) ^ i) % (len(self.tokens) - self.block_size)
+        return self.offset + i * self.block_size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.start(i)
         chunk = torch.from_numpy(self.tokens[start : start + self.block_size + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
 

@@ -1,0 +1,60 @@
+"""Tokenize a corpus once, on several processes, into token shards that `data=shards` reads memory-mapped.
+
+    python scripts/prepare_data.py data/shakespeare_speeches.jsonl data/speeches_shards --tokenizer byte --workers 2
+    accelerate launch train.py data=shards data.path=data/speeches_shards
+
+SOURCE is what data=hf_dataset reads (a Parquet, JSON Lines, CSV or Arrow file, a folder of them, a save_to_disk
+folder, a hub dataset id) and --tokenizer what its data.tokenizer takes; prompt/completion (--prompt-column) and
+chat data keep their label masks. Whole documents are held out for validation (--val-fraction). Started again after
+a kill, it skips the tasks it finished. Layout and format: src/data/shards.py.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from src.data.prepare import Source, prepare  # noqa: E402
+from src.errors import UsageError  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="what data.path of data=hf_dataset names")
+    parser.add_argument("out", type=Path, help="the folder to write the shards into")
+    parser.add_argument("--tokenizer", default="byte", help="byte, a tokenizers JSON file, or a from_pretrained "
+                                                            "folder or hub id holding one")
+    parser.add_argument("--tokenizer-revision")
+    parser.add_argument("--text-column", default="text")
+    parser.add_argument("--prompt-column")
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--subset")
+    parser.add_argument("--workers", type=int, default=1, help="processes tokenizing at once")
+    parser.add_argument("--tasks", type=int, help="files per split, each a contiguous share of the rows "
+                                                  "(default: --workers)")
+    parser.add_argument("--val-fraction", type=float, default=0.01, help="the share of documents held out")
+    parser.add_argument("--seed", type=int, default=0, help="which documents are held out")
+    args = parser.parse_args()
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val-fraction={args.val_fraction}: between 0 and 1, both excluded")
+    if args.workers < 1 or (args.tasks is not None and args.tasks < 1):
+        parser.error("--workers and --tasks: at least 1")
+    source = Source(args.source, args.tokenizer, args.tokenizer_revision, args.text_column, args.prompt_column,
+                    args.split, args.subset)
+    try:
+        manifest = prepare(source, args.out, args.workers, args.tasks, args.val_fraction, args.seed)
+    except (UsageError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    for split in manifest["splits"]:
+        tokens = sum(shard["tokens"] for shard in manifest["splits"][split])
+        documents = sum(shard["documents"] for shard in manifest["splits"][split])
+        print(f"{split}: {tokens:,} tokens in {documents:,} documents, {len(manifest['splits'][split])} files")
+    print(f"wrote {args.out} ({manifest['dtype']} ids, vocabulary {manifest['vocab_size']:,}); train on it with "
+          f"data=shards data.path={args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

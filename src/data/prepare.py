@@ -1,0 +1,140 @@
+"""Tokenizing a corpus once, on several processes, into the token shards of src/data/shards.py.
+
+datatrove runs the tasks (its LocalPipelineExecutor: a pool of worker processes, and completion markers, so that a
+killed preparation started again skips the tasks it finished) and writes its token files; each task tokenizes a
+contiguous slice of the source's rows by the rule every data option follows (src/data/jsonl.py:
+tokenized_documents), so prompt/completion and chat data keep their label masks as data=hf_dataset gives them.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from src.data.jsonl import IGNORE_INDEX, tokenized_documents
+from src.data.shards import FORMAT, MANIFEST, SPLITS, token_dtype, whole_file_digest
+from src.data.text import _mix
+from src.data.tokenizer import codec_for
+from src.errors import UsageError
+
+RECORDS = "tasks"  # one JSON per finished task and split: its file's tokens, documents and digests
+
+
+@dataclass
+class Source:
+    """What data=hf_dataset reads (its keys, the same names), and the tokenizer."""
+
+    path: str
+    tokenizer: str = "byte"
+    tokenizer_revision: Optional[str] = None
+    text_column: str = "text"
+    prompt_column: Optional[str] = None
+    split: str = "train"
+    subset: Optional[str] = None
+
+    def rows(self) -> Any:
+        from src.data.hf_dataset import _load
+        from src.models.hub import dataset_path
+
+        rows = _load(dataset_path(self.path, self.subset, refresh=True), self.path, self.split, None,
+                     self.subset)[self.split]
+        for key, column in (("--text-column", self.text_column), ("--prompt-column", self.prompt_column)):
+            if column is not None and column not in rows.column_names:
+                raise UsageError(f"{key}={column}: {self.path} has no such column; its columns: "
+                                 f"{', '.join(rows.column_names)}")
+        return rows
+
+    def codec(self):
+        if self.tokenizer == "char":
+            raise UsageError("--tokenizer char: its vocabulary is the characters of the whole corpus, which no task "
+                             "sees; use --tokenizer byte or a tokenizer")
+        return codec_for(self.tokenizer, revision=self.tokenizer_revision, key="--tokenizer")
+
+
+def held_out(row: int, seed: int, val_fraction: float) -> bool:
+    """Whether a row (a whole document) validates: a hash of its index, so any split of the rows into tasks agrees."""
+    return _mix(seed * 1_000_003 + row) % 1_000_000 < val_fraction * 1_000_000
+
+
+@dataclass
+class TokenizeTask:
+    """One preparation task (a datatrove pipeline step): rows [start, stop) of the source, which datatrove's rank
+    and world size pick, tokenized into one token file per split."""
+
+    source: Source
+    out: str
+    val_fraction: float
+    seed: int
+    batch_rows: int = 1000
+
+    def __call__(self, data: Any, rank: int = 0, world_size: int = 1) -> None:
+        from datatrove.pipeline.tokens.tokenizer import TokenizedFile
+
+        rows, codec = self.source.rows(), self.source.codec()
+        dtype = token_dtype(codec.vocab_size)
+        masks = self.source.prompt_column is not None or _holds_conversations(rows, self.source.text_column)
+        share, extra = divmod(len(rows), world_size)
+        start = rank * share + min(rank, extra)
+        stop = start + share + (rank < extra)
+        files = {split: TokenizedFile(self.out, f"{split}_{rank:05d}.ds", save_index=True, save_loss_metadata=masks,
+                                      token_size=dtype.itemsize) for split in SPLITS}
+        for first in range(start, stop, self.batch_rows):
+            batch = rows[first : min(stop, first + self.batch_rows)]
+            for split in SPLITS:
+                keep = [i for i in range(len(batch[self.source.text_column]))
+                        if held_out(first + i, self.seed, self.val_fraction) == (split == "validation")]
+                texts = [batch[self.source.text_column][i] for i in keep]
+                prompts = [batch[self.source.prompt_column][i] for i in keep] if self.source.prompt_column else None
+                ids, labels = tokenized_documents(codec, texts, prompts)
+                for n, document in enumerate(ids):
+                    files[split].write_bytes(np.asarray(document, dtype=dtype).tobytes())
+                    if masks:
+                        trained = (np.asarray(labels[n]) != IGNORE_INDEX) if labels is not None else \
+                            np.ones(len(document), np.bool_)
+                        files[split].write_loss_bytes(trained.astype(np.uint8).tobytes())
+        records = Path(self.out) / RECORDS
+        records.mkdir(exist_ok=True)
+        for split, file in files.items():
+            file.close()
+            path = Path(self.out) / file.filename
+            record = {"file": path.name, "tokens": len(file), "documents": len(file.doc_ends), "rows": [start, stop],
+                      "digest": whole_file_digest(path)}
+            if masks:
+                record["loss digest"] = whole_file_digest(path.with_name(path.name + ".loss"))
+            (records / f"{split}_{rank:05d}.json").write_text(json.dumps(record))
+
+
+def _holds_conversations(rows: Any, column: str) -> bool:
+    return len(rows) > 0 and isinstance(rows[0][column], list)
+
+
+def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = None, val_fraction: float = 0.01,
+            seed: int = 0) -> dict:
+    """Tokenize `source` into `out` on `workers` processes, `tasks` files per split (default: one per worker);
+    the manifest is written once every task has finished, from the tasks' records. Returns the manifest."""
+    from datatrove.executor import LocalPipelineExecutor
+
+    tasks = tasks or workers
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"source": vars(source), "val_fraction": val_fraction, "seed": seed, "tasks": tasks}
+    settings_file = out / "preparation.json"
+    if settings_file.is_file() and json.loads(settings_file.read_text()) != settings:
+        raise UsageError(f"{out}: prepared with other settings ({settings_file}); give another output folder, or "
+                         "remove this one")
+    settings_file.write_text(json.dumps(settings, indent=2))
+    codec = source.codec()
+    rows = source.rows()  # here first: a bad path or column is named before any worker starts
+    task = TokenizeTask(source, str(out), val_fraction, seed)
+    LocalPipelineExecutor([task], tasks=tasks, workers=min(workers, tasks), logging_dir=str(out / "logs"),
+                          start_method="spawn").run()
+    records = {split: [json.loads((out / RECORDS / f"{split}_{rank:05d}.json").read_text()) for rank in range(tasks)]
+               for split in SPLITS}
+    codec.save(out)
+    manifest = {"format": FORMAT, "dtype": token_dtype(codec.vocab_size).name, "vocab_size": codec.vocab_size,
+                "tokenizer": codec.identity(), "loss_masks": (out / f"train_{0:05d}.ds.loss").is_file(),
+                "rows": len(rows), **settings, "splits": records}
+    (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
+    (out / (MANIFEST + ".tmp")).replace(out / MANIFEST)
+    return manifest

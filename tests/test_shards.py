@@ -1,0 +1,197 @@
+"""Token shards: a corpus prepared once (scripts/prepare_data.py) and trained on memory-mapped (data=shards)."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, kill_when, max_abs_diff, refused, run, scalars
+
+pytest.importorskip("datatrove")
+datasets = pytest.importorskip("datasets")
+
+
+def prepare(source, out: Path, *flags: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run([str(source), str(out), *flags], script="scripts/prepare_data.py", check=check)
+
+
+def documents(folder: Path, split: str = "train") -> tuple[list[list[int]], list[list[bool]] | None]:
+    """Every document of a split as the files hold it, in task order: ids, and where prepared their loss masks."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    ids, masks = [], [] if manifest["loss_masks"] else None
+    for shard in manifest["splits"][split]:
+        tokens = np.fromfile(folder / shard["file"], dtype=manifest["dtype"])
+        ends = np.fromfile(folder / (shard["file"] + ".index"), dtype=np.uint64).astype(int)
+        loss = np.fromfile(folder / (shard["file"] + ".loss"), dtype=np.uint8) if masks is not None else None
+        for begin, end in zip([0, *ends[:-1]], ends):
+            ids.append(tokens[begin:end].tolist())
+            if masks is not None:
+                masks.append(loss[begin:end].astype(bool).tolist())
+    return ids, masks
+
+
+@pytest.fixture(scope="module")
+def speeches(tmp_path_factory) -> Path:
+    """The speeches corpus, prepared into three files per split (one process runs the three tasks in turn)."""
+    out = tmp_path_factory.mktemp("shards") / "speeches"
+    prepare(ROOT / "data" / "shakespeare_speeches.jsonl", out, "--tasks", "3", "--val-fraction", "0.1")
+    return out
+
+
+def shard_args(folder: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [*TINY_GPT, *QUIET, "data=shards", f"data.path={folder}", "data.batch_size=4",
+            "data.random_windows=true", "trainer.max_steps=30", "trainer.checkpoint_every=10", "trainer.monitor=null",
+            f"hydra.run.dir={run_dir}", *extra]
+
+
+def test_prepared_documents_are_the_sources_rows_tokenized_with_whole_documents_held_out(speeches):
+    """In row order, every row a document of exactly one split."""
+    from src.data.prepare import held_out
+
+    rows = [json.loads(line)["text"] for line in (ROOT / "data" / "shakespeare_speeches.jsonl").open()]
+    train, val = documents(speeches, "train")[0], documents(speeches, "validation")[0]
+    assert list(map(bytes, train)) == [text.encode() for i, text in enumerate(rows) if not held_out(i, 0, 0.1)]
+    assert list(map(bytes, val)) == [text.encode() for i, text in enumerate(rows) if held_out(i, 0, 0.1)]
+    assert 0 < len(val) < len(rows) / 5
+    manifest = json.loads((speeches / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint16" and len(manifest["splits"]["train"]) == 3
+    assert sum(s["tokens"] for s in manifest["splits"]["train"]) == sum(map(len, train))
+
+
+@pytest.mark.slow  # worker processes start Python afresh (spawn): 10 s more
+def test_worker_processes_write_in_row_order_what_one_process_writes(speeches, tmp_path):
+    parallel = tmp_path / "two_workers"
+    prepare(ROOT / "data" / "shakespeare_speeches.jsonl", parallel, "--workers", "2", "--tasks", "3",
+            "--val-fraction", "0.1")
+    assert json.loads((parallel / "manifest.json").read_text())["splits"] == \
+        json.loads((speeches / "manifest.json").read_text())["splits"]
+
+
+def test_a_run_on_shards_killed_mid_epoch_resumes_bitwise_and_two_processes_train_what_one_accumulating_does(
+        speeches, tmp_path):
+    one, killed, two = tmp_path / "one", tmp_path / "killed", tmp_path / "two"
+    accumulating = "trainer.gradient_accumulation_steps=2"
+    run(shard_args(speeches, one, accumulating))
+    kill_when(shard_args(speeches, killed, accumulating), 1,
+              ready=lambda: (killed / "checkpoints" / "step_00000010").is_dir())
+    assert not (killed / "model").exists()
+    run([*shard_args(speeches, killed, accumulating), "resume=auto"])
+    assert scalars(killed, "train/loss") == scalars(one, "train/loss")
+    assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
+    run(shard_args(speeches, two), nproc=2)
+    assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
+
+
+def test_a_changed_shard_is_refused_on_resume_naming_it(speeches, tmp_path):
+    folder, run_dir = tmp_path / "shards", tmp_path / "run"
+    folder.mkdir()
+    for file in speeches.iterdir():
+        if file.is_file():
+            (folder / file.name).write_bytes(file.read_bytes())
+    run(shard_args(folder, run_dir, "trainer.max_steps=10"))
+    tokens = bytearray((folder / "train_00001.ds").read_bytes())
+    tokens[1000:1002] = tokens[2000:2002]  # another token, the size kept
+    (folder / "train_00001.ds").write_bytes(bytes(tokens))
+    refused(run([*shard_args(folder, run_dir, "trainer.max_steps=20"), "resume=auto"], check=False),
+            "train_00001.ds")
+    (folder / "train_00001.ds").write_bytes(bytes(tokens[:-2]))  # cut short: named at the start of any run
+    refused(run(shard_args(folder, tmp_path / "fresh"), check=False), "train_00001.ds", "prepare")
+
+
+def test_a_vocabulary_above_65536_is_prepared_as_uint32_and_trains(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(70_000)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"text": " ".join(words[j] for j in rng.integers(60_000, 70_000, 50))})
+                              + "\n" for _ in range(200)))
+    prepare(source, tmp_path / "shards", "--tokenizer", str(tmp_path / "tokenizer.json"), "--val-fraction", "0.2")
+    manifest = json.loads((tmp_path / "shards" / "manifest.json").read_text())
+    assert manifest["dtype"] == "uint32" and manifest["vocab_size"] == 70_001
+    ids = documents(tmp_path / "shards")[0]
+    assert min(map(min, ids)) > 60_000  # no id folded into 16 bits
+    run([*TINY_GPT, *QUIET, "data=shards", f"data.path={tmp_path / 'shards'}", "data.batch_size=4",
+         "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert (tmp_path / "run" / "model").is_dir()
+
+
+def test_prompt_and_chat_label_masks_survive_preparation_as_every_data_option_makes_them(tmp_path, pretrained):
+    """The tokens and targets of a prompted and of a chat corpus, prepared, are those of tokenized_documents (the
+    rule data=hf_dataset and data=jsonl train on)."""
+    from src.data.jsonl import IGNORE_INDEX, tokenized_documents
+    from src.data.prepare import held_out
+    from src.data.tokenizer import codec_for
+
+    chat_folder = tmp_path / "chat_model"
+    chat_folder.mkdir()
+    for file in pretrained.iterdir():
+        (chat_folder / file.name).write_bytes(file.read_bytes())
+    config = json.loads((chat_folder / "tokenizer_config.json").read_text())
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (chat_folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    prompted = [{"prompt": f"Who speaks in scene {i}?", "text": f" ROMEO, {i} times."} for i in range(60)]
+    chats = [{"messages": [{"role": "user", "content": f"Scene {i}?"}, {"role": "assistant", "content": f"ROMEO {i}"},
+                           {"role": "user", "content": "Then?"}, {"role": "assistant", "content": "JULIET"}]}
+             for i in range(60)]
+    for name, rows, flags in (("prompted", prompted, ["--prompt-column", "prompt"]),
+                              ("chats", chats, ["--text-column", "messages"])):
+        source = tmp_path / f"{name}.parquet"
+        datasets.Dataset.from_list(rows).to_parquet(str(source))
+        out = tmp_path / f"{name}_shards"
+        prepare(source, out, "--tokenizer", str(chat_folder), "--tasks", "2", "--val-fraction", "0.2", *flags)
+        codec = codec_for(str(chat_folder))
+        column = flags[1] if name == "chats" else "text"
+        kept = [row for i, row in enumerate(rows) if not held_out(i, 0, 0.2)]
+        ids, labels = tokenized_documents(codec, [row[column] for row in kept],
+                                          [row["prompt"] for row in kept] if name == "prompted" else None)
+        got_ids, got_masks = documents(out)
+        assert got_ids == ids, name
+        assert got_masks == [[label != IGNORE_INDEX for label in document] for document in labels], name
+        assert 0 < sum(map(sum, got_masks)) < sum(map(len, got_masks))
+    # Trained on, the masked tokens are no targets.
+    from src.data.shards import ShardData
+
+    data = ShardData(path=str(tmp_path / "prompted_shards"), block_size=16, batch_size=2)
+    inputs, targets = data.train[0]
+    tokens = np.fromfile(tmp_path / "prompted_shards" / "train_00000.ds", dtype=np.uint16)[:17].astype(int)
+    counts = np.fromfile(tmp_path / "prompted_shards" / "train_00000.ds.loss", dtype=np.uint8)[1:17].astype(bool)
+    assert inputs.tolist() == tokens[:16].tolist()
+    assert targets.tolist() == np.where(counts, tokens[1:], IGNORE_INDEX).tolist()
+
+
+def test_a_killed_preparation_started_again_skips_its_finished_tasks_and_writes_what_an_uninterrupted_one_does(
+        tmp_path):
+    source = tmp_path / "corpus.jsonl"
+    lines = (ROOT / "data" / "shakespeare_speeches.jsonl").read_text().splitlines()
+    source.write_text("\n".join(lines * 8) + "\n")
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    prepare(source, whole, "--tasks", "6")
+    done = killed / "logs" / "completions"
+    kill_when([str(source), str(killed), "--tasks", "6"], 1, ready=lambda: (done / "00000").is_file(),
+              script="scripts/prepare_data.py")
+    finished = sorted(p.name for p in done.iterdir())
+    assert len(finished) < 6 and not (killed / "manifest.json").exists(), finished  # it died mid-way
+    first = (killed / "train_00000.ds").stat()
+    proc = prepare(source, killed, "--tasks", "6")
+    assert "Skipping" in proc.stdout or "already been completed" in proc.stdout, proc.stdout[-2000:]
+    assert (killed / "train_00000.ds").stat().st_mtime_ns == first.st_mtime_ns  # not written again
+    ours, theirs = (json.loads((f / "manifest.json").read_text()) for f in (killed, whole))
+    for split in ("train", "validation"):
+        assert [s["digest"] for s in ours["splits"][split]] == [s["digest"] for s in theirs["splits"][split]]
+    # Another setting into the same folder is refused, not mixed in.
+    refused(prepare(source, killed, "--tasks", "3", check=False), "preparation.json")
+
+
+def test_bad_inputs_name_the_flag_or_key(tmp_path):
+    proc = prepare(ROOT / "data" / "shakespeare_speeches.jsonl", tmp_path / "out", "--text-column", "body",
+                   check=False)
+    refused(proc, "--text-column=body", "text")
+    refused(run([*TINY_GPT, "data=shards", f"data.path={tmp_path / 'nothing'}",
+                 f"hydra.run.dir={tmp_path / 'run'}"], check=False), "data.path", "prepare_data.py")
