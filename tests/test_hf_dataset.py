@@ -248,3 +248,31 @@ def test_a_models_validation_loss_is_the_same_packed_per_document_or_padded_on_o
         losses[packing, nproc] = json.loads(output.read_text())["eval/loss"]
     padded = losses["false", 1]
     assert abs(losses["true", 1] - padded) < 1e-5 and abs(losses["true", 2] - padded) < 1e-5, losses
+
+
+@pytest.mark.parametrize("packing", [False, True, "cross_document"])
+def test_tokenizing_on_several_processes_gives_the_samples_of_one(tmp_path, packing):
+    """data.num_proc slices the rows among processes; the samples (packed blocks included, which are made from
+    batches of rows) are those of one process, so a machine with other CPUs resumes on the same data."""
+    rows = datasets.Dataset.from_dict({"text": (SPEECHES * 2)[:2500] + [""] * 10,
+                                       "prompt": [f"{i}:" for i in range(2510)]})
+    built = {}
+    for num_proc in (1, 3):
+        rows.to_parquet(str(tmp_path / f"rows_{num_proc}.parquet"))  # a file each: no cache shared
+        data = build(path=str(tmp_path / f"rows_{num_proc}.parquet"), prompt_column="prompt", packing=packing,
+                     num_proc=num_proc, block_size=256)
+        built[num_proc] = [{key: value.tolist() for key, value in data.train[i].items()} for i in range(len(data.train))]
+    assert built[1] == built[3] and len(built[1]) > 100
+
+
+@pytest.mark.slow  # a corpus large enough to take seconds to tokenize
+def test_ranks_wait_for_a_tokenization_longer_than_the_process_groups_time_out(tmp_path):
+    """Each machine's first process tokenizes while the others wait, as long as it takes: at
+    trainer.dist_timeout_s the waiting rank's barrier used to fail and end the run before its first step."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": SPEECHES[i % len(SPEECHES)][:200]}) + "\n" for i in range(200_000)))
+    proc = run(["model=hf_causal_lm", "data=hf_dataset", f"data.path={corpus}", "objective=causal_lm", "data.num_proc=1",
+                "model.config.n_layer=1", "model.config.n_head=1", "model.config.n_embd=16", "model.block_size=64",
+                "trainer.max_steps=2", "trainer.dist_timeout_s=1", *QUIET, f"hydra.run.dir={tmp_path / 'run'}"],
+               nproc=2)
+    assert (tmp_path / "run" / "model").is_dir(), proc.stdout[-3000:]

@@ -21,6 +21,7 @@ is a named split (`val_split`) or the last `val_fraction` of the documents.
 import functools
 import hashlib
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -32,9 +33,11 @@ from src.data.jsonl import TOKENIZATION_RULE, pad_right, tokenized_documents, wa
 from src.data.packing import cross_document_blocks, packed_documents, packing_summary, pad_packed
 from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
+from src.launch.first_per_machine import local_main_first
 from src.models.hub import dataset_path
 from src.schema.signature import Arg
 
+LARGE = 1_000_000  # documents: above, the log points to scripts/prepare_data.py
 # File suffixes and the `datasets` builder that reads them.
 BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 
@@ -93,6 +96,8 @@ class HFDataset(DataModule):
             "documents of block_size")] = "truncate",
         mask_boundaries: Annotated[bool, Arg("with packing=cross_document: never predict a document's first token "
                                              "from the document before it (label -100)")] = False,
+        num_proc: Annotated[Optional[int], Arg(
+            "processes that tokenize (null: one per 10,000 documents, up to this machine's CPUs)", ge=1)] = None,
         **loader,
     ):
         super().__init__(**loader)
@@ -108,15 +113,21 @@ class HFDataset(DataModule):
                              "to block_size; cross_document packing cuts every document at block edges)")
         self.attends_per_document = packing is True  # the model must read documents from position_ids
         self.codec = codec_for(tokenizer, revision=tokenizer_revision)
-        # One process per machine loads (datasets converts files to Arrow) and maps, writing the caches; the
-        # others wait, then read them.
-        with PartialState().local_main_process_first():
+        # One process per machine loads (datasets converts files to Arrow) and maps, on num_proc processes,
+        # writing the caches; the others wait for it as long as it takes, then read them.
+        with local_main_first():
             # A hub id: its data files, fetched into the Hugging Face cache by this machine's first process.
             source = dataset_path(path, subset, refresh=PartialState().is_local_main_process)
             train, val = self._documents(source, path, split, val_split, val_fraction, text_column, subset,
                                          prompt_column)
+            if len(train) > LARGE and PartialState().is_local_main_process:
+                log.info("data.path=%s: %d documents, tokenized by this run's first process on each machine (and "
+                         "cached for the next runs); a corpus of this size is better tokenized once, on many "
+                         "processes or nodes: python scripts/prepare_data.py %s OUT, then data=shards "
+                         "data.path=OUT", path, len(train), path)
+            workers = num_proc or min(len(os.sched_getaffinity(0)), 1 + len(train) // 10_000)
             train, val = (self._tokenized(d, text_column, prompt_column, block_size, packing, mask_boundaries,
-                                          long_documents == "split") for d in (train, val))
+                                          long_documents == "split", workers) for d in (train, val))
         if prompt_column and not packing:  # a sample of the data says enough, at a bounded cost
             warn_untrained(train.select(range(min(len(train), 10_000)))["labels"], block_size, f"data.path={path}")
         if len(train) == 0 or len(val) == 0:
@@ -148,29 +159,47 @@ class HFDataset(DataModule):
         return train.select(range(len(train) - n_val)), train.select(range(len(train) - n_val, len(train)))
 
     def _tokenized(self, documents: Any, text_column: str, prompt_column: Optional[str], block_size: int,
-                   packing: Union[bool, str], mask_boundaries: bool, split_long: bool) -> Any:
+                   packing: Union[bool, str], mask_boundaries: bool, split_long: bool, num_proc: int) -> Any:
         codec = self.codec
-        # The cache key: the documents' own fingerprint (datasets keeps it as _fingerprint) and every setting
-        # of the mapping, stated rather than left to datasets' hashing of the closure (a tokenizer inside).
-        identity = hashlib.blake2b(digest_size=8)
-        for part in (TOKENIZATION_RULE, documents._fingerprint, text_column, prompt_column, block_size, packing,
-                     mask_boundaries, split_long, codec.kind, codec.end_of_text,
-                     codec.chat.source if codec.chat else "", codec.tokenizer.to_str() if codec.tokenizer else ""):
-            identity.update(str(part).encode())
+
+        def identity(*settings) -> str:
+            # A map's cache key: the documents' own fingerprint (datasets keeps it as _fingerprint) and every
+            # setting, stated rather than left to datasets' hashing of the closure (a tokenizer inside).
+            hasher = hashlib.blake2b(digest_size=8)
+            for part in (TOKENIZATION_RULE, documents._fingerprint, text_column, prompt_column, codec.kind,
+                         codec.end_of_text, codec.chat.source if codec.chat else "",
+                         codec.tokenizer.to_str() if codec.tokenizer else "", *settings):
+                hasher.update(str(part).encode())
+            return hasher.hexdigest()
 
         def tokenize(batch: dict) -> dict:
-            ids, labels = tokenized_documents(codec, batch[text_column], batch[prompt_column] if prompt_column
-                                              else None)
-            if labels is None and packing:
-                labels = ids
+            # Row by row (a row that tokenizes to nothing stays, empty), so that num_proc's slices of the rows
+            # change nothing: the batches packed below are the same whatever the number of processes.
+            rows = [tokenized_documents(codec, [text], None if prompt_column is None else [prompt])
+                    for text, prompt in zip(batch[text_column], batch[prompt_column] if prompt_column
+                                            else batch[text_column])]
+            out = {"input_ids": [ids[0] if ids else [] for ids, _ in rows]}
+            if rows and rows[0][1] is not None or prompt_column or packing:
+                out["labels"] = [(labels or ids or [[]])[0] for ids, labels in rows]
+            return out
+
+        tokenized = documents.map(tokenize, batched=True, remove_columns=documents.column_names,
+                                  new_fingerprint=identity(bool(packing)), desc="tokenizing",
+                                  num_proc=min(num_proc, len(documents)) if num_proc > 1 else None)
+
+        def pack(batch: dict) -> dict:
+            kept = [i for i, ids in enumerate(batch["input_ids"]) if ids]  # a sample needs a token
+            ids = [batch["input_ids"][i] for i in kept]
+            labels = [batch["labels"][i] for i in kept] if "labels" in batch else None
             if packing is True:
                 return packed_documents(ids, labels, block_size, split_long)
             if packing == "cross_document":
                 return cross_document_blocks(ids, labels, block_size, mask_boundaries)
             return {"input_ids": ids} if labels is None else {"input_ids": ids, "labels": labels}
 
-        return documents.map(tokenize, batched=True, remove_columns=documents.column_names,
-                             new_fingerprint=identity.hexdigest(), desc="tokenizing")
+        return tokenized.map(pack, batched=True, remove_columns=tokenized.column_names,
+                             new_fingerprint=identity(block_size, packing, mask_boundaries, split_long),
+                             desc="packing" if packing else "dropping empty documents")
 
     @model_size
     def vocab_size(self) -> int:

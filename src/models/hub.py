@@ -23,6 +23,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
 from src.errors import UsageError
+from src.launch.first_per_machine import local_main_first
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_token
                 raise UsageError(f"{' and '.join(keys)} name {name} at two revisions: {asked} and {revision}")
             wanted[name] = (keys, files, asked or revision)
     commits: dict[str, str] = {}  # hub id -> commit
-    with accelerator.local_main_process_first():
+    with local_main_first():
         for name, (keys, files, revision) in wanted.items():
             folder = local_path(name, " and ".join(keys), files, refresh=accelerator.is_local_main_process,
                                 revision=revision)
