@@ -6,10 +6,14 @@
 SOURCE is what data=hf_dataset reads (a Parquet, JSON Lines, CSV or Arrow file, a folder of them, a save_to_disk
 folder, a hub dataset id) and --tokenizer what its data.tokenizer takes; prompt/completion (--prompt-column) and
 chat data keep their label masks. Whole documents are held out for validation (--val-fraction). Started again after
-a kill, it skips the tasks it finished. Layout and format: src/data/shards.py.
+a kill, it skips the tasks it finished. Layout and format: src/data/shards.py. On several nodes, as a SLURM array
+(each array task takes its share of --tasks; the last to finish writes the manifest):
+
+    sbatch --array=0-3 slurm/prepare_data.sbatch data/corpus data/corpus_shards --tasks 64
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +39,13 @@ def main() -> int:
                                                   "(default: --workers)")
     parser.add_argument("--val-fraction", type=float, default=0.01, help="the share of documents held out")
     parser.add_argument("--seed", type=int, default=0, help="which documents are held out")
+    parser.add_argument("--node", type=int, default=int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)),
+                        help="this node's number, from 0 (default: $SLURM_ARRAY_TASK_ID, else 0)")
+    parser.add_argument("--nodes", type=int, default=int(os.environ.get("SLURM_ARRAY_TASK_COUNT", 1)),
+                        help="nodes sharing the tasks (default: $SLURM_ARRAY_TASK_COUNT, else 1)")
     args = parser.parse_args()
+    if not 0 <= args.node < args.nodes:
+        parser.error(f"--node={args.node} of --nodes={args.nodes}: from 0 to {args.nodes - 1}")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction={args.val_fraction}: between 0 and 1, both excluded")
     if args.workers < 1 or (args.tasks is not None and args.tasks < 1):
@@ -43,10 +53,15 @@ def main() -> int:
     source = Source(args.source, args.tokenizer, args.tokenizer_revision, args.text_column, args.prompt_column,
                     args.split, args.subset)
     try:
-        manifest = prepare(source, args.out, args.workers, args.tasks, args.val_fraction, args.seed)
+        manifest = prepare(source, args.out, args.workers, args.tasks, args.val_fraction, args.seed, args.node,
+                           args.nodes)
     except (UsageError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    if manifest is None:
+        print(f"node {args.node} of {args.nodes}: its tasks are done; the node that finishes the last task writes "
+              f"{args.out}/manifest.json")
+        return 0
     for split in manifest["splits"]:
         tokens = sum(shard["tokens"] for shard in manifest["splits"][split])
         documents = sum(shard["documents"] for shard in manifest["splits"][split])

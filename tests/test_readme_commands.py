@@ -23,6 +23,9 @@ STEPS = ["trainer.max_steps=2", "trainer.eval_batches=1", "trainer.log_every=1"]
 TINY_HF = ["model.config.n_layer=1", "model.config.n_head=1", "model.config.n_embd=16", "model.block_size=16"]
 SETUP = "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt && "
 
+# The FineWeb-Edu recipe's preparation, on a local file with a byte tokenizer (no network here), the same config.
+FINEWEB_HERE = {"HuggingFaceFW/fineweb-edu": "data/shakespeare_speeches.jsonl", "--subset sample-10BT ": "",
+                "--tokenizer gpt2 ": "--tokenizer byte ", "--tasks 64": "--tasks 8"}
 # (README command, {README text: what runs instead}, appended arguments), run in this order in a copy of the
 # repository: later commands use what earlier ones wrote (outputs/my_run, data/shakespeare.bin).
 RUN = [
@@ -45,6 +48,10 @@ RUN = [
     ("python scripts/prepare_data.py data/shakespeare_speeches.jsonl data/speeches_shards --workers 2 "
      "--val-fraction 0.1", {}, []),
     ("accelerate launch train.py data=shards data.path=data/speeches_shards", {}, [*TINY, *STEPS]),
+    ("python scripts/prepare_data.py HuggingFaceFW/fineweb-edu data/fineweb_edu --subset sample-10BT --tokenizer gpt2 "
+     "--workers 32 --tasks 64", {**FINEWEB_HERE, "--workers 32 ": "--workers 2 "}, []),
+    ("accelerate launch train.py experiment=fineweb_gpt2 trainer.gradient_accumulation_steps=8",
+     {"accumulation_steps=8": "accumulation_steps=2"}, [*TINY, *STEPS, "data.batch_size=4", "trainer.compile=false"]),
     ("accelerate launch train.py hydra.run.dir=outputs/my_run resume=auto", {}, [*TINY, *STEPS]),
     ("accelerate launch train.py resume=outputs/my_run/checkpoints/step_00000500 hydra.run.dir=outputs/fork",
      {"step_00000500": "step_00000002"}, [*TINY, *STEPS, "trainer.max_steps=3"]),
@@ -85,6 +92,10 @@ RUN_ON_SLURM = [
     ("sbatch --nodes=4 --time=48:00:00 slurm/train_multi_node.sbatch experiment=owt_tokens "
      "data.path=/data/owt/train.bin", {"--nodes=4": "--nodes=2", "/data/owt/train.bin": "data/shakespeare.bin"},
      [*TINY, *STEPS, "data.batch_size=4", "trainer.compile=false"]),  # no C++ compiler needed
+    ("sbatch --array=0-3 slurm/prepare_data.sbatch HuggingFaceFW/fineweb-edu data/fineweb_edu --subset sample-10BT "
+     "--tokenizer gpt2 --tasks 64", {**FINEWEB_HERE, "--array=0-3": "--array=0-1"}, []),
+    ("sbatch --nodes=2 slurm/train_multi_node.sbatch experiment=fineweb_gpt2 data.batch_size=32",
+     {"data.batch_size=32": "data.batch_size=4"}, [*TINY, *STEPS, "trainer.compile=false"]),
     ("python train.py -m hydra/launcher=submitit_slurm hydra.launcher.nodes=2 hydra.launcher.gpus_per_node=8 "
      "hydra.launcher.timeout_min=600 optimizer.lr=1e-3,3e-4", {"gpus_per_node=8": "gpus_per_node=null"},
      [*TINY, *STEPS]),
@@ -133,6 +144,8 @@ NOT_RUN = {
     "accelerate launch --config_file config/accelerate/single_gpu.yaml train.py": "needs a CUDA GPU",
     "accelerate launch --config_file config/accelerate/multi_gpu.yaml train.py": "needs CUDA GPUs",
     "accelerate launch --config_file config/accelerate/fsdp.yaml train.py": "needs CUDA GPUs",
+    "accelerate launch --config_file config/accelerate/multi_gpu.yaml train.py experiment=fineweb_gpt2":
+        "needs CUDA GPUs; the same experiment runs above on one CPU process and on two SLURM nodes",
     "sbatch slurm/train_multi_node.sbatch ...": "a pointer to the SLURM section, whose commands run here",
     "accelerate launch train.py model=hf_causal_lm model.pretrained=gpt2 data=jsonl objective=causal_lm "
     "optimizer.lr=5e-5": "downloads from the Hugging Face hub (no network here); tests/test_finetune.py runs a "

@@ -195,3 +195,20 @@ def test_bad_inputs_name_the_flag_or_key(tmp_path):
     refused(proc, "--text-column=body", "text")
     refused(run([*TINY_GPT, "data=shards", f"data.path={tmp_path / 'nothing'}",
                  f"hydra.run.dir={tmp_path / 'run'}"], check=False), "data.path", "prepare_data.py")
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_slurm_array_shares_the_tasks_among_its_nodes_and_writes_what_one_process_writes(speeches, tmp_path):
+    from tests.test_slurm import CPU_NODES, cluster_is_up
+
+    if not cluster_is_up():
+        pytest.skip("no SLURM cluster here (start one: scripts/local_slurm.sh start)")
+    out = tmp_path / "array"
+    subprocess.run(["sbatch", "--wait", "--array=0-1", *CPU_NODES, f"--output={tmp_path}/log-%a",
+                    "slurm/prepare_data.sbatch", str(ROOT / "data" / "shakespeare_speeches.jsonl"), str(out),
+                    "--tasks", "3", "--val-fraction", "0.1"], cwd=ROOT, check=True, timeout=600)
+    logs = [(tmp_path / f"log-{node}").read_text() for node in (0, 1)]
+    assert any("wrote" in log for log in logs) and sum("its tasks are done" in log for log in logs) <= 1, logs
+    assert json.loads((out / "manifest.json").read_text())["splits"] == \
+        json.loads((speeches / "manifest.json").read_text())["splits"]

@@ -111,12 +111,15 @@ def _holds_conversations(rows: Any, column: str) -> bool:
 
 
 def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = None, val_fraction: float = 0.01,
-            seed: int = 0) -> dict:
+            seed: int = 0, node: int = 0, nodes: int = 1) -> Optional[dict]:
     """Tokenize `source` into `out` on `workers` processes, `tasks` files per split (default: one per worker);
-    the manifest is written once every task has finished, from the tasks' records. Returns the manifest."""
+    with `nodes` > 1 (a SLURM array), this node's share of the tasks only. The manifest is written by whichever
+    node finds every task finished at its end, from the tasks' records; returned, or None while tasks remain."""
     from datatrove.executor import LocalPipelineExecutor
 
     tasks = tasks or workers
+    if nodes > tasks:
+        raise UsageError(f"--tasks={tasks} for {nodes} nodes: give each node a task at least (--tasks={nodes})")
     out.mkdir(parents=True, exist_ok=True)
     settings = {"source": vars(source), "val_fraction": val_fraction, "seed": seed, "tasks": tasks}
     settings_file = out / "preparation.json"
@@ -127,8 +130,13 @@ def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = 
     codec = source.codec()
     rows = source.rows()  # here first: a bad path or column is named before any worker starts
     task = TokenizeTask(source, str(out), val_fraction, seed)
-    LocalPipelineExecutor([task], tasks=tasks, workers=min(workers, tasks), logging_dir=str(out / "logs"),
-                          start_method="spawn").run()
+    first, last = node * tasks // nodes, (node + 1) * tasks // nodes  # this node's tasks: [first, last)
+    executor = LocalPipelineExecutor([task], tasks=tasks, workers=min(workers, last - first),
+                                     logging_dir=str(out / "logs"), start_method="spawn", local_tasks=last - first,
+                                     local_rank_offset=first)
+    executor.run()
+    if executor.get_incomplete_ranks(range(tasks)):  # another node's; the last node to finish sees none
+        return None
     records = {split: [json.loads((out / RECORDS / f"{split}_{rank:05d}.json").read_text()) for rank in range(tasks)]
                for split in SPLITS}
     codec.save(out)
