@@ -1,4 +1,4 @@
-"""Is the template as fast and as exact as the alternatives? Nine benchmarks, one module each in
+"""Is the template as fast and as exact as the alternatives? Ten benchmarks, one module each in
 scripts/benchmarks/ (its docstring says what it compares and how both sides are measured); results in
 scripts/BENCHMARKS.md.
 
@@ -11,6 +11,7 @@ scripts/BENCHMARKS.md.
     python scripts/benchmark.py scale --sizes 10x640 16x1024              # memory per rank: DDP vs FSDP2
     python scripts/benchmark.py loss-memory                               # vocabulary 128k: chunked loss or not
     python scripts/benchmark.py packing                                   # packed documents vs padded: tokens/s
+    python scripts/benchmark.py data                                      # token shards vs data=hf_dataset
     python scripts/benchmark.py parity --device cuda --mixed-precision bf16 --peak-tflops 989 \
         model.n_layer=12 model.n_head=12 model.n_embd=768 model.block_size=1024 data.batch_size=16
 
@@ -24,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: src/ and scripts/benchmarks/
 from scripts.benchmarks import (  # noqa: E402
     checkpoint,
+    data,
     gpu,
     loss_memory,
     nanogpt,
@@ -35,7 +37,7 @@ from scripts.benchmarks import (  # noqa: E402
 )
 from scripts.benchmarks.common import ROOT  # noqa: E402
 
-BENCHMARKS = (parity, nanogpt, startup, checkpoint, gpu, stop_vote, scale, loss_memory, packing)
+BENCHMARKS = (parity, nanogpt, startup, checkpoint, gpu, stop_vote, scale, loss_memory, packing, data)
 
 
 def main() -> None:

@@ -1,0 +1,159 @@
+"""data: a corpus prepared once into token shards (scripts/prepare_data.py, data=shards) against data=hf_dataset
+tokenizing it at the start of a run.
+
+- Preparation: tokens/s of `scripts/prepare_data.py` with 1 and 2 worker processes (the whole command's wall time,
+  start-up included) on a synthetic corpus of `--prepare-tokens` tokens (documents of words drawn from tiny
+  Shakespeare), tokenized by a byte-level BPE of 8,192 tokens trained on tiny Shakespeare (or `--tokenizer`), and
+  the raw `tokenizers` throughput of that tokenizer on one thread (encode one text at a time, and encode_batch);
+  bytes per token on disk.
+- Start-up and memory against the corpus size: a run of `python train.py data=shards` (a tiny GPT, one step) on
+  shards of `--small` and of `--large` tokens (random ids written as prepared files: what matters is their size),
+  from its start to its first optimizer step's TensorBoard event, and its peak resident memory (the summary's);
+  beside it data=hf_dataset on the synthetic corpus, the same measure (tokenizing inside the run).
+- The loader against the model: the summary's data wait per step (time the loop waited for a batch) of a run at
+  the default GPT's shape and block, on the large shards.
+Each figure is one run, side by side in one invocation; the machine is named in scripts/BENCHMARKS.md.
+"""
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from scripts.benchmarks.common import ROOT, run, scalars
+
+TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=256"]
+
+
+def bpe_tokenizer(path: Path) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train([str(ROOT / "data" / "tinyshakespeare.txt")], trainers.BpeTrainer(
+        vocab_size=8192, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"]))
+    tokenizer.save(str(path))
+    return path
+
+
+def synthetic_corpus(path: Path, characters: int, seed: int = 0) -> Path:
+    """Documents of 20 to 400 words drawn from tiny Shakespeare's words, `characters` of text in all."""
+    words = (ROOT / "data" / "tinyshakespeare.txt").read_text().split()
+    rng = random.Random(seed)
+    written = 0
+    with open(path, "w") as out:
+        while written < characters:
+            text = " ".join(rng.choices(words, k=rng.randint(20, 400)))
+            out.write(json.dumps({"text": text}) + "\n")
+            written += len(text)
+    return path
+
+
+def tokenizer_throughput(tokenizer_file: Path, corpus: Path, documents: int = 20_000) -> dict:
+    from tokenizers import Tokenizer
+
+    os.environ["RAYON_NUM_THREADS"] = "1"  # read when the pool starts: one thread, as one worker would
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    with open(corpus) as lines:
+        texts = [json.loads(line)["text"] for line, _ in zip(lines, range(documents))]
+    started = time.perf_counter()
+    tokens = sum(len(tokenizer.encode(text).ids) for text in texts)
+    one_by_one = tokens / (time.perf_counter() - started)
+    started = time.perf_counter()
+    tokens = sum(len(encoding.ids) for encoding in tokenizer.encode_batch(texts))
+    batch = tokens / (time.perf_counter() - started)
+    return {"encode_tokens_per_s": round(one_by_one), "encode_batch_tokens_per_s": round(batch),
+            "characters_per_token": round(sum(map(len, texts)) / tokens, 2)}
+
+
+def synthetic_shards(folder: Path, tokens: int, vocab: int = 8192, files: int = 4) -> Path:
+    """A prepared folder of `tokens` random ids (uint16), as scripts/prepare_data.py lays it out."""
+    from src.data.shards import FORMAT, MANIFEST
+    from src.data.tokenizer import Codec
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    splits = {"train": [], "validation": []}
+    for split, count in (("train", tokens), ("validation", max(tokens // 1000, 100_000))):
+        for task in range(files):
+            name, size = f"{split}_{task:05d}.ds", count // files
+            with open(folder / name, "wb") as out:
+                for start in range(0, size, 1 << 24):
+                    rng.integers(0, vocab, min(1 << 24, size - start), dtype=np.uint16).tofile(out)
+            np.array([size], dtype=np.uint64).tofile(folder / (name + ".index"))
+            splits[split].append({"file": name, "tokens": size, "documents": 1, "digest": "synthetic"})
+    Codec("byte").save(folder)
+    manifest = {"format": FORMAT, "dtype": "uint16", "vocab_size": vocab, "tokenizer": "synthetic",
+                "loss_masks": False, "splits": splits}
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    return folder
+
+
+def first_step(overrides: list[str], tmp: Path) -> dict:
+    run_dir = tmp / f"run_{time.monotonic_ns()}"
+    started = time.time()
+    run([sys.executable, "train.py", *overrides, "trainer.log_every=1", "trainer.eval_every=0",
+         "trainer.eval_batches=1", "trainer.checkpoint_every=0", f"hydra.run.dir={run_dir}"],
+        env={**os.environ, "TQDM_DISABLE": "1"})
+    summary = json.loads((run_dir / "summary.json").read_text())
+    memory = summary["peak_memory_gib"]
+    return {"first_step_s": round(scalars(run_dir, "train/loss")[0].wall_time - started, 2),
+            "rss_before_first_step_gib": round(memory["rss_per_rank_before_the_first_step"][0], 3),
+            "peak_rss_gib": round(memory["rss_max_over_ranks"], 3), "summary": summary}
+
+
+def data(args) -> dict:
+    report = {}
+    with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
+        tmp = Path(scratch)
+        tokenizer = Path(args.tokenizer) if args.tokenizer else bpe_tokenizer(tmp / "bpe.json")
+        corpus = synthetic_corpus(tmp / "corpus.jsonl", int(args.prepare_tokens * 3.7))
+        report["tokenizer"] = {"file": args.tokenizer or "byte-level BPE, 8,192 tokens, trained on tiny Shakespeare",
+                               **tokenizer_throughput(tokenizer, corpus)}
+        for workers in (1, 2):
+            out = tmp / f"prepared_{workers}"
+            started = time.time()
+            run([sys.executable, "scripts/prepare_data.py", str(corpus), str(out), "--tokenizer", str(tokenizer),
+                 "--workers", str(workers), "--tasks", str(2 * workers)])
+            seconds = time.time() - started
+            manifest = json.loads((out / "manifest.json").read_text())
+            tokens = sum(s["tokens"] for split in manifest["splits"].values() for s in split)
+            on_disk = sum(f.stat().st_size for f in out.iterdir() if f.name.endswith((".ds", ".ds.index")))
+            report[f"prepare, {workers} worker(s)"] = {"tokens": tokens, "seconds": round(seconds, 1),
+                                                       "tokens_per_s": round(tokens / seconds),
+                                                       "bytes_per_token": round(on_disk / tokens, 2)}
+        hf = ["data=hf_dataset", f"data.path={corpus}", f"data.tokenizer={tokenizer}", "objective=causal_lm",
+              "model=hf_causal_lm", "model.config.n_layer=2", "model.config.n_head=2", "model.config.n_embd=64",
+              "model.block_size=256", "data.packing=cross_document", "trainer.max_steps=1"]
+        report[f"data=hf_dataset on the corpus ({report['prepare, 1 worker(s)']['tokens']:,} tokens)"] = {
+            key: value for key, value in first_step(hf, tmp).items() if key != "summary"}
+        for name, tokens in (("small", args.small), ("large", args.large)):
+            shards = synthetic_shards(tmp / f"shards_{name}", tokens)
+            measured = first_step([*TINY, "data=shards", f"data.path={shards}", "trainer.max_steps=1"], tmp)
+            report[f"data=shards, {tokens:,} tokens"] = {k: v for k, v in measured.items() if k != "summary"}
+        steps = first_step(["data=shards", f"data.path={tmp / 'shards_large'}", f"trainer.max_steps={args.steps}",
+                            "data.random_windows=true"], tmp)["summary"]
+        time_s = steps["time_s"]
+        report["data wait, default GPT on the large shards"] = {
+            "steps": args.steps, "data_wait_s": time_s["of which data wait"], "training_s": time_s["training"],
+            "data_wait_share": round(time_s["of which data wait"] / time_s["training"], 4),
+            "tokens_per_s": steps["tokens_per_second"]}
+    return report
+
+
+def add_commands(commands) -> dict:
+    c = commands.add_parser("data", help="token shards prepared once against data=hf_dataset: preparation tokens/s, "
+                                         "start-up and memory against the corpus size, the loader's wait")
+    c.add_argument("--prepare-tokens", type=int, default=20_000_000, help="tokens of the synthetic corpus prepared")
+    c.add_argument("--tokenizer", help="a tokenizers JSON file (default: a BPE trained on tiny Shakespeare)")
+    c.add_argument("--small", type=int, default=10_000_000, help="tokens of the small shards")
+    c.add_argument("--large", type=int, default=1_000_000_000, help="tokens of the large shards")
+    c.add_argument("--steps", type=int, default=20, help="steps of the data-wait run")
+    c.add_argument("--scratch", default=None, help="where to write the corpus and shards (a few GB at the default)")
+    return {"data": data}
