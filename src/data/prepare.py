@@ -13,8 +13,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from src.checkpointing.checksums import whole_file_digest
 from src.data.jsonl import IGNORE_INDEX, tokenized_documents
-from src.data.shards import FORMAT, MANIFEST, SPLITS, token_dtype, whole_file_digest
+from src.data.shards import FORMAT, MANIFEST, SPLITS, token_dtype
 from src.data.text import _mix
 from src.data.tokenizer import codec_for
 from src.errors import UsageError

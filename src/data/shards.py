@@ -10,7 +10,6 @@ that a run decodes, samples and exports without the source.
 """
 
 import bisect
-import hashlib
 import json
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -32,14 +31,6 @@ SPLITS = ("train", "validation")
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 65536 else np.uint32)
-
-
-def whole_file_digest(path: Path) -> str:
-    hasher = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 22):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 class Concatenated:
