@@ -19,7 +19,7 @@ import torch
 
 from src.data.base import model_size
 from src.data.jsonl import IGNORE_INDEX
-from src.data.text import TokenStream, TokenWindows
+from src.data.text import TokenWindows, WindowStream
 from src.data.tokenizer import Codec
 from src.errors import UsageError
 from src.schema.signature import Arg
@@ -107,7 +107,7 @@ def open_split(folder: Path, manifest: dict, split: str, key: str = "data.path")
     return Concatenated(tokens), Concatenated(masks) if manifest["loss_masks"] else None
 
 
-class ShardData(TokenStream):
+class ShardData(WindowStream):
     """A folder of prepared token shards (scripts/prepare_data.py): windows of block_size tokens across documents,
     as data=tokens cuts them, over every training shard end to end; validation is the documents the preparation
     held out. With label masks (prompt/completion, chats), the masked tokens are no targets."""

@@ -83,13 +83,12 @@ def split(tokens: np.ndarray, val_fraction: float, block_size: int, random_offse
     return train, val
 
 
-class TokenStream(DataModule):
-    """What both language-model datasets share: a token stream cut into windows, its tail validating."""
+class WindowStream(DataModule):
+    """What every language-model dataset of windows shares: a token stream cut into windows of block_size."""
 
     def __init__(
         self,
         block_size: Annotated[int, Arg("tokens per sample", ge=1)],
-        val_fraction: Annotated[float, Arg("tail of the file used for validation", gt=0, lt=1)] = 0.1,
         random_offset: Annotated[bool, Arg("shift the training windows by a seeded offset each epoch, so later "
                                            "epochs see new windows")] = False,
         random_windows: Annotated[bool, Arg(
@@ -102,8 +101,20 @@ class TokenStream(DataModule):
         if random_offset and random_windows:
             raise ValueError("data.random_offset=true and data.random_windows=true: choose one (random_windows "
                              "already starts every window at a random position)")
-        self.block_size, self.val_fraction = block_size, val_fraction
+        self.block_size = block_size
         self.random_offset, self.random_windows, self.seed = random_offset, random_windows, seed
+
+
+class TokenStream(WindowStream):
+    """A file's token stream cut into windows, its tail validating (data=text, data=tokens)."""
+
+    def __init__(
+        self,
+        val_fraction: Annotated[float, Arg("tail of the file used for validation", gt=0, lt=1)] = 0.1,
+        **windows,
+    ):
+        super().__init__(**windows)
+        self.val_fraction = val_fraction
 
 
 class TextData(TokenStream):
