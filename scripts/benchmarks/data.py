@@ -105,7 +105,8 @@ def first_step(overrides: list[str], tmp: Path) -> dict:
     memory = summary["peak_memory_gib"]
     return {"first_step_s": round(scalars(run_dir, "train/loss")[0].wall_time - started, 2),
             "rss_before_first_step_gib": round(memory["rss_per_rank_before_the_first_step"][0], 3),
-            "peak_rss_gib": round(memory["rss_max_over_ranks"], 3), "summary": summary}
+            "peak_rss_gib": round(memory["rss_max_over_ranks"], 3), "summary": summary,
+            "data_wait": [event.value for event in scalars(run_dir, "train/data_wait")]}
 
 
 def data(args) -> dict:
@@ -132,18 +133,22 @@ def data(args) -> dict:
               "model=hf_causal_lm", "model.config.n_layer=2", "model.config.n_head=2", "model.config.n_embd=64",
               "model.block_size=256", "data.packing=cross_document", "trainer.max_steps=1"]
         report[f"data=hf_dataset on the corpus ({report['prepare, 1 worker(s)']['tokens']:,} tokens)"] = {
-            key: value for key, value in first_step(hf, tmp).items() if key != "summary"}
+            key: value for key, value in first_step(hf, tmp).items() if key not in ("summary", "data_wait")}
         for name, tokens in (("small", args.small), ("large", args.large)):
             shards = synthetic_shards(tmp / f"shards_{name}", tokens)
             measured = first_step([*TINY, "data=shards", f"data.path={shards}", "trainer.max_steps=1"], tmp)
-            report[f"data=shards, {tokens:,} tokens"] = {k: v for k, v in measured.items() if k != "summary"}
-        steps = first_step(["data=shards", f"data.path={tmp / 'shards_large'}", f"trainer.max_steps={args.steps}",
-                            "data.random_windows=true"], tmp)["summary"]
-        time_s = steps["time_s"]
+            report[f"data=shards, {tokens:,} tokens"] = {k: v for k, v in measured.items()
+                                                         if k not in ("summary", "data_wait")}
+        measured = first_step(["data=shards", f"data.path={tmp / 'shards_large'}", f"trainer.max_steps={args.steps}",
+                               "data.random_windows=true"], tmp)
+        time_s, later = measured["summary"]["time_s"], sorted(measured["data_wait"][1:])
         report["data wait, default GPT on the large shards"] = {
-            "steps": args.steps, "data_wait_s": time_s["of which data wait"], "training_s": time_s["training"],
-            "data_wait_share": round(time_s["of which data wait"] / time_s["training"], 4),
-            "tokens_per_s": steps["tokens_per_second"]}
+            "steps": args.steps, "data_wait_s": round(time_s["of which data wait"], 3),
+            "training_s": round(time_s["training"], 3),
+            "first_step_share": round(measured["data_wait"][0], 4),  # the loader's start: an epoch's permutation
+            "later_steps_median_share": round(later[len(later) // 2], 4) if later else None,
+            "later_steps_max_share": round(later[-1], 4) if later else None,
+            "tokens_per_s": round(measured["summary"]["tokens_per_second"])}
     return report
 
 
