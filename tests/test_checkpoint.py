@@ -132,6 +132,7 @@ def test_resuming_with_another_global_batch_is_refused_naming_the_accumulation_t
     assert "resumed from" in typed.stdout
 
 
+@pytest.mark.slow  # 9 s of image training and loader workers (the suite's time: issue 48); CI runs it
 def test_resume_reproduces_augmented_image_training_with_loader_workers(tmp_path, cifar_root):
     """Random crops and flips in two DataLoader workers, BatchNorm, accumulation: still bitwise after a kill.
     With trainer.deterministic, whose kernels every op of the model and loss must have."""

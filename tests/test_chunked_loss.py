@@ -77,6 +77,7 @@ def test_chunked_causal_lm_loss_and_gradients_equal_the_plain_ones_for_a_transfo
         torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow  # 5 s of compilation (the suite's time); CI runs it
 def test_the_chunked_loss_compiles_to_the_same_loss_and_gradients():
     torch.manual_seed(0)
     model = GPT(vocab_size=VOCAB, block_size=16, n_layer=1, n_head=2, n_embd=32)

@@ -49,7 +49,8 @@ def test_tasks_are_scored_at_their_steps_and_the_training_is_the_one_without_the
     assert set(SCORES) <= set(summary["final_metrics"])
 
 
-@pytest.mark.parametrize("layout", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layout", [pytest.param("ddp", marks=pytest.mark.slow),  # 7.5 s each: the suite's time
+                                    pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_processes_score_each_document_once_and_the_best_checkpoint_follows_the_monitored_score(
         scored_run, tmp_path, layout):
     """Each rank scores its share of the documents; at step 0 (the same weights) the scores are one process's.

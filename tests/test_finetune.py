@@ -279,6 +279,7 @@ def test_a_hub_id_trains_as_its_folder_does_read_from_the_hugging_face_cache(tmp
     assert sampled[0].startswith("To be") and sampled[0] == sampled[1], sampled
 
 
+@pytest.mark.slow  # 5.5 s; a hub id's training stays in the default suite (the suite's time); CI runs it
 def test_a_hub_models_commit_is_recorded_and_a_resume_reads_it_after_the_hub_has_moved_on(tmp_path, pretrained):
     """The run starts from the newest revision, A, and records its commit; then main becomes B, whose tokenizer
     and positions differ. Reading B, the resume would be refused (other data, a block longer than B's 32

@@ -143,7 +143,8 @@ def llama_in_several_files(tmp_path_factory, pretrained) -> Path:
 
 
 @pytest.mark.parametrize("folder, adapter, launcher_flags", [
-    ("pretrained", ["model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}"], ()),  # tied
+    pytest.param("pretrained", ["model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}"], (),
+                 marks=pytest.mark.slow),  # tied; the third case is this one with activation checkpointing
     ("llama_in_several_files", [], ()),
     # accelerate's activation checkpointing renames every layer's weights (_checkpoint_wrapped_module.)
     ("pretrained", ["model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}"],

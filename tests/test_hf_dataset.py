@@ -207,6 +207,7 @@ def test_a_subset_of_one_file_is_refused(formats):
     named(str(refused.value), "data.subset=short", str(formats["parquet"]))
 
 
+@pytest.mark.slow  # 5 s; resumes of every other data option stay in the default suite; CI runs it
 def test_a_packed_hf_dataset_run_of_a_transformers_model_killed_on_two_processes_resumes_bitwise(tmp_path, formats):
     """Two processes of one machine: rank 0 maps first, rank 1 reads its cache. Then a kill and a resume of a
     transformers model with its dropout on and accumulation: losses and weights bitwise the uninterrupted run's."""

@@ -5,6 +5,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import (
     QUIET,
     TINY_GPT,
@@ -44,6 +46,7 @@ def test_sigterm_saves_a_checkpoint_exits_with_the_preempted_status_and_resume_m
     assert max_abs_diff(exported_weights(reference), exported_weights(stopped)) == 0
 
 
+@pytest.mark.slow  # 8 s; SIGTERM and Ctrl-C to the launch stay in the default suite; CI runs it
 def test_a_signal_to_one_rank_stops_all_ranks_at_the_same_step_with_one_checkpoint(tmp_path):
     reference, stopped = tmp_path / "uninterrupted", tmp_path / "stopped"
     max_steps = 80

@@ -55,6 +55,7 @@ def test_a_prompt_outside_a_character_vocabulary_is_refused_naming_the_character
     named(str(refused.value), "'#é'")
 
 
+@pytest.mark.slow  # 6 s (the suite's time: issue 48); CI runs it
 def test_samples_during_training_are_logged_and_change_nothing_and_sample_py_repeats_them_from_the_export(tmp_path):
     args = [*TINY_GPT, *QUIET, "model.dropout=0.1", "trainer.max_steps=10", "trainer.eval_every=5"]
     plain, sampled = tmp_path / "plain", tmp_path / "sampled"
