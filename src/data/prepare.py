@@ -83,17 +83,17 @@ class TokenizeTask:
                                       token_size=dtype.itemsize) for split in SPLITS}
         for first in range(start, stop, self.batch_rows):
             batch = rows[first : min(stop, first + self.batch_rows)]
+            texts = batch[self.source.text_column]
+            prompts = batch[self.source.prompt_column] if self.source.prompt_column else None
+            validates = [held_out(first + i, self.seed, self.val_fraction) for i in range(len(texts))]
             for split in SPLITS:
-                keep = [i for i in range(len(batch[self.source.text_column]))
-                        if held_out(first + i, self.seed, self.val_fraction) == (split == "validation")]
-                texts = [batch[self.source.text_column][i] for i in keep]
-                prompts = [batch[self.source.prompt_column][i] for i in keep] if self.source.prompt_column else None
-                ids, labels = tokenized_documents(codec, texts, prompts)
+                keep = [i for i, held in enumerate(validates) if held == (split == "validation")]
+                ids, labels = tokenized_documents(codec, [texts[i] for i in keep],
+                                                  [prompts[i] for i in keep] if prompts is not None else None)
                 for n, document in enumerate(ids):
                     files[split].write_bytes(np.asarray(document, dtype=dtype).tobytes())
-                    if masks:
-                        trained = (np.asarray(labels[n]) != IGNORE_INDEX) if labels is not None else \
-                            np.ones(len(document), np.bool_)
+                    if masks:  # prompts and chats: labels, -100 where a token is no target
+                        trained = np.asarray(labels[n]) != IGNORE_INDEX
                         files[split].write_loss_bytes(trained.astype(np.uint8).tobytes())
         records = Path(self.out) / RECORDS
         records.mkdir(exist_ok=True)
