@@ -1,6 +1,8 @@
 """Token shards: a corpus prepared once (scripts/prepare_data.py) and trained on memory-mapped (data=shards)."""
 
+import itertools
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -212,3 +214,36 @@ def test_a_slurm_array_shares_the_tasks_among_its_nodes_and_writes_what_one_proc
     assert any("wrote" in log for log in logs) and sum("its tasks are done" in log for log in logs) <= 1, logs
     assert json.loads((out / "manifest.json").read_text())["splits"] == \
         json.loads((speeches / "manifest.json").read_text())["splits"]
+
+
+def test_a_corpus_of_17_billion_tokens_gives_its_first_batch_without_listing_its_windows(speeches, tmp_path):
+    import shutil
+    import sys
+
+    from src.data.sampling import Permutation
+
+    huge = tmp_path / "huge"
+    shutil.copytree(speeches, huge)
+    manifest = json.loads((huge / "manifest.json").read_text())
+    first = manifest["splits"]["train"][0]
+    tokens, block_size = 2**34, 64  # a sparse file: 32 GiB of ids that take no disk
+    os.truncate(huge / first["file"], tokens * 2)
+    first["tokens"] = tokens
+    (huge / "manifest.json").write_text(json.dumps(manifest))
+    # The windows the run's order starts with get ids of their own, so that the batch tells which windows came.
+    windows = (sum(shard["tokens"] for shard in manifest["splits"]["train"]) - 1) // block_size
+    starts = [i * block_size for i in itertools.islice(Permutation(windows, seed=0), 4)]
+    with open(huge / first["file"], "r+b") as file:
+        for n, start in enumerate(starts):
+            file.seek(start * 2)
+            file.write(np.full(block_size, n + 1, dtype=np.uint16).tobytes())
+
+    reader = (f"import json, resource; from src.data.shards import ShardData\n"
+              f"data = ShardData(path={str(huge)!r}, block_size={block_size}, batch_size=4, seed=0)\n"
+              f"inputs, _ = next(iter(data.train_dataloader()))\n"
+              f"print(json.dumps([len(data.train), inputs[:, 0].tolist(), resource.getrusage(resource.RUSAGE_SELF)"
+              f".ru_maxrss]))")
+    out = subprocess.run([sys.executable, "-c", reader], cwd=ROOT, capture_output=True, text=True, check=True)
+    length, firsts, peak_kib = json.loads(out.stdout.splitlines()[-1])
+    assert length == windows and firsts == [1, 2, 3, 4]
+    assert peak_kib < 1 << 20  # torch's sampler lists the epoch's 2**28 indices first: 2 GiB, then 10 as a list

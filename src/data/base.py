@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from src.errors import UsageError
 from src.schema.signature import Arg
@@ -167,11 +167,19 @@ class DataModule:
                 found[f"{name} sampled content"] = _digest(dataset[i] for i in _spread(len(dataset), 32))
         return found
 
+    def train_sampler(self, dataset: Dataset) -> Optional[Sampler]:
+        """The training order of a dataset with a length: None shuffles with torch's sampler, which accelerate
+        seeds from (trainer.seed, epoch). Its own sampler needs `set_epoch` and an order of (seed, epoch) alone,
+        the same on every rank, as mid-epoch resume skips what the order gave before."""
+        return None
+
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        sampler = self.train_sampler(dataset) if train and isinstance(dataset, Sized) else None
         return DataLoader(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
-            shuffle=train and isinstance(dataset, Sized),  # an iterable dataset orders itself
+            sampler=sampler,
+            shuffle=train and isinstance(dataset, Sized) and sampler is None,  # an iterable dataset orders itself
             # Full micro-batches only, so every optimizer step sees the same number of samples.
             drop_last=train,
             num_workers=self.num_workers,

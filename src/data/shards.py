@@ -19,6 +19,7 @@ import torch
 
 from src.data.base import model_size
 from src.data.jsonl import IGNORE_INDEX
+from src.data.sampling import Permutation
 from src.data.text import TokenWindows, WindowStream
 from src.data.tokenizer import Codec
 from src.errors import UsageError
@@ -134,6 +135,10 @@ class ShardData(WindowStream):
             shard["file"] + suffix: self.folder / (shard["file"] + suffix)
             for split in SPLITS for shard in self.manifest["splits"][split]
             for suffix in (("", ".loss") if self.manifest["loss_masks"] else ("",))}}
+
+    def train_sampler(self, dataset) -> Permutation:
+        # Millions of windows: an order computed as the loader goes, not a list of the epoch (src/data/sampling.py).
+        return Permutation(len(dataset), self.seed)
 
     @model_size
     def vocab_size(self) -> int:

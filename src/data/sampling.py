@@ -1,0 +1,65 @@
+"""A shuffle that holds no list of the epoch's order, for datasets of millions of samples and more.
+
+torch's RandomSampler (and accelerate's seedable one, which the template uses for other data) draws
+`torch.randperm(n).tolist()` each epoch: 3.9M windows of a 1B-token corpus cost 0.3 GiB and a second before the first
+step, 4B windows would cost 150 GiB. Here sample k of an epoch is a keyed bijection of k (a Feistel network over the
+next power of four, walking its cycle back into [0, n)), computed in blocks as the loader asks: constant memory and
+start-up, the same order on every rank and after a resume, a function of (seed, epoch) alone.
+"""
+
+from collections.abc import Iterator
+
+import numpy as np
+from torch.utils.data import Sampler
+
+_ROUNDS = 4
+_BLOCK = 8192
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic), as src/data/text.py's on one integer."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+class Permutation(Sampler[int]):
+    """Indices 0..n-1 in an order drawn from (seed, epoch); `set_epoch` as accelerate's samplers have it."""
+
+    def __init__(self, n: int, seed: int = 0):
+        self.n, self.seed, self.epoch = n, seed, 0
+        self.half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)  # the domain is 4**half >= n
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _keys(self) -> list[np.uint64]:
+        base = _mix(np.array([(self.seed * 1_000_003 + self.epoch) % 2**64], dtype=np.uint64))[0]
+        return [_mix(np.array([base ^ np.uint64(r)], dtype=np.uint64))[0] for r in range(_ROUNDS)]
+
+    def permute(self, k: np.ndarray) -> np.ndarray:
+        """Where positions k (uint64, each < n) of the epoch's order point."""
+        keys, half = self._keys(), np.uint64(self.half)
+        mask = np.uint64((1 << self.half) - 1)
+
+        def feistel(x: np.ndarray) -> np.ndarray:
+            left, right = x >> half, x & mask
+            for key in keys:
+                left, right = right, left ^ (_mix(right ^ key) & mask)
+            return (left << half) | right
+
+        x = feistel(k)
+        outside = x >= self.n
+        while outside.any():  # cycle walking: a bijection on the domain restricted to [0, n) stays one
+            x[outside] = feistel(x[outside])
+            outside = x >= self.n
+        return x
+
+    def __iter__(self) -> Iterator[int]:
+        with np.errstate(over="ignore"):
+            for start in range(0, self.n, _BLOCK):
+                yield from self.permute(np.arange(start, min(start + _BLOCK, self.n), dtype=np.uint64)).tolist()
