@@ -48,6 +48,7 @@ RUN = [
     ("python scripts/prepare_data.py data/shakespeare_speeches.jsonl data/speeches_shards --workers 2 "
      "--val-fraction 0.1", {}, []),
     ("accelerate launch train.py data=shards data.path=data/speeches_shards", {}, [*TINY, *STEPS]),
+    ("accelerate launch train.py data=shards data.path=data/speeches_shards data.packing=true", {}, [*TINY, *STEPS]),
     ("python scripts/prepare_data.py HuggingFaceFW/fineweb-edu data/fineweb_edu --subset sample-10BT --tokenizer gpt2 "
      "--workers 32 --tasks 64", {**FINEWEB_HERE, "--workers 32 ": "--workers 2 "}, []),
     ("accelerate launch train.py experiment=fineweb_gpt2 trainer.gradient_accumulation_steps=8",

@@ -42,10 +42,10 @@ def speeches(tmp_path_factory) -> Path:
     return out
 
 
-def shard_args(folder: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [*TINY_GPT, *QUIET, "data=shards", f"data.path={folder}", "data.batch_size=4",
-            "data.random_windows=true", "trainer.max_steps=30", "trainer.checkpoint_every=10", "trainer.monitor=null",
-            f"hydra.run.dir={run_dir}", *extra]
+def shard_args(folder: Path, run_dir: Path, *extra: str, samples: str = "data.random_windows=true") -> list[str]:
+    return [*TINY_GPT, *QUIET, "data=shards", f"data.path={folder}", "data.batch_size=4", samples,
+            "trainer.max_steps=30", "trainer.checkpoint_every=10", "trainer.monitor=null", f"hydra.run.dir={run_dir}",
+            *extra]
 
 
 def test_prepared_documents_are_the_sources_rows_tokenized_with_whole_documents_held_out(speeches):
@@ -71,19 +71,63 @@ def test_worker_processes_write_in_row_order_what_one_process_writes(speeches, t
         json.loads((speeches / "manifest.json").read_text())["splits"]
 
 
+@pytest.mark.parametrize("samples", [
+    "data.random_windows=true",
+    pytest.param("data.packing=true", marks=pytest.mark.slow),  # 25 s; its maths is the eval test's; CI runs it
+])
 def test_a_run_on_shards_killed_mid_epoch_resumes_bitwise_and_two_processes_train_what_one_accumulating_does(
-        speeches, tmp_path):
+        speeches, tmp_path, samples):
     one, killed, two = tmp_path / "one", tmp_path / "killed", tmp_path / "two"
     accumulating = "trainer.gradient_accumulation_steps=2"
-    run(shard_args(speeches, one, accumulating))
-    kill_when(shard_args(speeches, killed, accumulating), 1,
+    run(shard_args(speeches, one, accumulating, samples=samples))
+    kill_when(shard_args(speeches, killed, accumulating, samples=samples), 1,
               ready=lambda: (killed / "checkpoints" / "step_00000010").is_dir())
     assert not (killed / "model").exists()
-    run([*shard_args(speeches, killed, accumulating), "resume=auto"])
+    run([*shard_args(speeches, killed, accumulating, samples=samples), "resume=auto"])
     assert scalars(killed, "train/loss") == scalars(one, "train/loss")
     assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
-    run(shard_args(speeches, two), nproc=2)
+    run(shard_args(speeches, two, samples=samples), nproc=2)
     assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
+
+
+def test_packed_shards_hold_every_document_whole_once_attending_to_itself_with_targets_inside_it(speeches):
+    from src.data.jsonl import IGNORE_INDEX
+    from src.data.shards import ShardData
+    from src.errors import UsageError
+
+    block = 64
+    whole = [ids[:block] for ids in documents(speeches)[0]]
+    data = ShardData(path=str(speeches), block_size=block, batch_size=4, packing=True)
+    found = []
+    for i in range(len(data.train)):
+        sample = {key: value.tolist() for key, value in data.train[i].items()}
+        assert len(sample["input_ids"]) <= block
+        starts = [t for t, position in enumerate(sample["position_ids"]) if position == 0] + [len(sample["input_ids"])]
+        for begin, end in zip(starts, starts[1:]):
+            ids, labels = sample["input_ids"][begin:end], sample["labels"][begin:end]
+            assert sample["position_ids"][begin:end] == list(range(end - begin))
+            assert labels == [*ids[1:], IGNORE_INDEX]  # the next token, never one of the next document
+            found.append(ids)
+    assert sorted(found) == sorted(whole)
+    assert len(data.train) < 0.9 * len(whole)  # packed: fewer blocks than documents
+    padded = ShardData(path=str(speeches), block_size=block, batch_size=4, packing=False)
+    assert [padded.train[i]["input_ids"].tolist() for i in range(len(padded.train))] == whole
+    for wrong, names in (({"packing": True, "random_windows": True}, "data.random_windows"),
+                         ({"packing": False, "long_documents": "split"}, "data.long_documents=split")):
+        with pytest.raises(UsageError, match=names):
+            ShardData(path=str(speeches), block_size=block, batch_size=4, **wrong)
+
+
+def test_a_models_validation_loss_on_shards_is_the_same_packed_or_padded_on_one_and_two_processes(speeches, tmp_path):
+    run(shard_args(speeches, tmp_path / "run", "trainer.max_steps=10", samples="data.random_windows=false"))
+    losses = {}
+    for packing, nproc in (("false", 1), ("true", 1), ("true", 2)):
+        output = tmp_path / f"{packing}_{nproc}.json"
+        run([f"path={tmp_path / 'run' / 'model'}", f"+data.packing={packing}",
+             f"output={output}"], script="eval.py", nproc=nproc)
+        losses[packing, nproc] = json.loads(output.read_text())["eval/loss"]
+    padded = losses["false", 1]
+    assert abs(losses["true", 1] - padded) < 1e-5 and abs(losses["true", 2] - padded) < 1e-5, losses
 
 
 def test_a_changed_shard_is_refused_on_resume_naming_it(speeches, tmp_path):

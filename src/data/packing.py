@@ -34,20 +34,9 @@ def packed_documents(documents: list[list[int]], document_labels: list[list[int]
             continue
         ends = range(0, len(ids), block_size) if split_long else [0]
         pieces += [(index, ids[i : i + block_size], labels[i : i + block_size], i == 0) for i in ends]
-    blocks, room = [], []  # room: sorted (free tokens, block number) of the blocks that are open
-    for piece in sorted(range(len(pieces)), key=lambda p: -len(pieces[p][1])):  # stable: ties keep their order
-        size = len(pieces[piece][1])
-        at = bisect.bisect_left(room, (size, -1))  # the fullest block that still has room for it
-        if at == len(room):
-            blocks.append([])
-            free, number = block_size, len(blocks) - 1
-        else:
-            free, number = room.pop(at)
-        blocks[number].append(piece)
-        if free - size > 0:
-            bisect.insort(room, (free - size, number))
+    blocks = best_fit([len(piece[1]) for piece in pieces], block_size)
     out = {"input_ids": [], "labels": [], "position_ids": [], "documents": [], "cut": [], "tokens": []}
-    for block in sorted((sorted(b) for b in blocks), key=lambda b: b[0]):
+    for block in blocks:
         ids, labels, positions = [], [], []
         for piece in block:
             _, piece_ids, piece_labels, _ = pieces[piece]
@@ -61,6 +50,25 @@ def packed_documents(documents: list[list[int]], document_labels: list[list[int]
         out["cut"].append(sum(pieces[p][3] for p in block))
         out["tokens"].append(len(ids))
     return out
+
+
+def best_fit(sizes: list[int], block_size: int) -> list[list[int]]:
+    """Items of these sizes (each at most block_size) into blocks, best fit decreasing: the largest first, each
+    into the block it fills best (a new block where none has room). The blocks' items in their given order, the
+    blocks ordered by their first item."""
+    blocks, room = [], []  # room: sorted (free tokens, block number) of the blocks that are open
+    for item in sorted(range(len(sizes)), key=lambda i: -sizes[i]):  # stable: ties keep their order
+        size = sizes[item]
+        at = bisect.bisect_left(room, (size, -1))  # the fullest block that still has room for it
+        if at == len(room):
+            blocks.append([])
+            free, number = block_size, len(blocks) - 1
+        else:
+            free, number = room.pop(at)
+        blocks[number].append(item)
+        if free - size > 0:
+            bisect.insort(room, (free - size, number))
+    return sorted((sorted(b) for b in blocks), key=lambda b: b[0])
 
 
 def cross_document_blocks(documents: list[list[int]], document_labels: list[list[int]], block_size: int,
@@ -140,8 +148,12 @@ def _no_cache_for_packed_documents(module: torch.nn.Module, args: tuple, kwargs:
 def packing_summary(blocks: Any, block_size: int, split_long: bool) -> str:
     """What packing did to a tokenized split (its `documents`, `cut` and `tokens` columns), in one line."""
     documents, cut, tokens = (sum(blocks[column]) for column in ("documents", "cut", "tokens"))
-    line = (f"{documents} documents in {len(blocks)} blocks of {block_size} tokens "
-            f"({100 * (1 - tokens / max(1, len(blocks) * block_size)):.1f}% padding)")
+    return summary_line(documents, len(blocks), tokens, cut, block_size, split_long)
+
+
+def summary_line(documents: int, blocks: int, tokens: int, cut: int, block_size: int, split_long: bool) -> str:
+    line = (f"{documents} documents in {blocks} blocks of {block_size} tokens "
+            f"({100 * (1 - tokens / max(1, blocks * block_size)):.1f}% padding)")
     if cut:
         line += (f"; {cut} longer than {block_size} tokens were "
                  + ("split into documents of at most that length" if split_long else

@@ -10,15 +10,19 @@ that a run decodes, samples and exports without the source.
 """
 
 import bisect
+import functools
 import json
+import logging
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from src.data.base import model_size
-from src.data.jsonl import IGNORE_INDEX
+from src.data.jsonl import IGNORE_INDEX, pad_right
+from src.data.packing import best_fit, pad_packed, summary_line
 from src.data.sampling import Permutation
 from src.data.text import TokenWindows, WindowStream
 from src.data.tokenizer import Codec
@@ -28,6 +32,9 @@ from src.schema.signature import Arg
 MANIFEST = "manifest.json"
 FORMAT = "datatrove token files + manifest, version 1"
 SPLITS = ("train", "validation")
+GROUP = 4096  # documents packed together (data.packing=true): best fit among them, a bounded cost per document
+
+log = logging.getLogger(__name__)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -108,33 +115,135 @@ def open_split(folder: Path, manifest: dict, split: str, key: str = "data.path")
     return Concatenated(tokens), Concatenated(masks) if manifest["loss_masks"] else None
 
 
+def document_ends(folder: Path, manifest: dict, split: str, key: str = "data.path") -> np.ndarray:
+    """Where each document of a split ends in its stream of tokens (the files end to end), from the `.ds.index`
+    files: 8 bytes a document, read at start by the packings that keep documents whole."""
+    ends, offset = [np.zeros(0, np.int64)], 0
+    for shard in manifest["splits"][split]:
+        path = folder / (shard["file"] + ".index")
+        if not path.is_file() or path.stat().st_size != 8 * shard["documents"]:
+            found = f"holds {path.stat().st_size} bytes" if path.is_file() else "is missing"
+            raise UsageError(f"{key}={folder}: {path.name} {found} where the manifest says {shard['documents']} "
+                             "documents of 8 bytes: prepare the folder again")
+        ends.append(np.fromfile(path, dtype=np.uint64).astype(np.int64) + offset)
+        offset += shard["tokens"]
+    return np.concatenate(ends)
+
+
+class PackedDocuments(Dataset):
+    """Whole documents of a token stream as samples: packed best fit into blocks of block_size (`pack`), each
+    document with positions from 0, or one document per sample. Labels are next-token targets that never cross a
+    document's end (so its first token is never one, as in a padded batch) and skip tokens the loss mask leaves
+    out. A document longer than block_size is truncated, or with `split_long` cut into documents of block_size.
+    The plan (which pieces of the stream make a block) costs 16 bytes a document; tokens are read per sample."""
+
+    def __init__(self, tokens: Concatenated, masks: Optional[Concatenated], ends: np.ndarray, block_size: int,
+                 pack: bool, split_long: bool):
+        self.tokens, self.masks, self.pack = tokens, masks, pack
+        starts = np.concatenate([[0], ends[:-1]])
+        lengths = ends - starts
+        self.cut = int((lengths > block_size).sum())
+        if split_long:
+            counts = np.maximum(1, -(-lengths // block_size))
+            document = np.repeat(np.arange(len(lengths)), counts)
+            within = np.arange(len(document)) - np.repeat(np.cumsum(counts) - counts, counts)
+            starts = starts[document] + within * block_size
+            lengths = np.minimum(block_size, ends[document] - starts)
+        else:
+            lengths = np.minimum(lengths, block_size)
+        starts, lengths = starts[lengths > 0], lengths[lengths > 0]
+        order, bounds = np.arange(len(starts)), np.arange(len(starts) + 1)
+        if pack:  # best fit within groups of consecutive documents: the same blocks however long the corpus
+            order, bounds = [], [0]
+            for group in range(0, len(lengths), GROUP):
+                for block in best_fit(lengths[group : group + GROUP].tolist(), block_size):
+                    order += [group + piece for piece in block]
+                    bounds.append(len(order))
+        self.starts, self.lengths = starts[order], lengths[order]
+        self.bounds = np.asarray(bounds, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def summary(self, block_size: int, split_long: bool) -> str:
+        return summary_line(len(self.starts), len(self), int(self.lengths.sum()), self.cut, block_size, split_long)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids, labels, positions = [], [], []
+        for start, length in zip(self.starts[self.bounds[i] : self.bounds[i + 1]].tolist(),
+                                 self.lengths[self.bounds[i] : self.bounds[i + 1]].tolist()):
+            piece = torch.from_numpy(self.tokens[start : start + length].astype(np.int64))
+            target = torch.full_like(piece, IGNORE_INDEX)
+            target[:-1] = piece[1:]
+            if self.masks is not None:
+                counts = torch.from_numpy(self.masks[start + 1 : start + length].astype(np.bool_))
+                target[:-1] = target[:-1].masked_fill(~counts, IGNORE_INDEX)
+            ids.append(piece)
+            labels.append(target)
+            positions.append(torch.arange(length))
+        sample = {"input_ids": torch.cat(ids), "labels": torch.cat(labels)}
+        if self.pack:
+            sample["position_ids"] = torch.cat(positions)
+        return sample
+
+
 class ShardData(WindowStream):
-    """A folder of prepared token shards (scripts/prepare_data.py): windows of block_size tokens across documents,
-    as data=tokens cuts them, over every training shard end to end; validation is the documents the preparation
-    held out. With label masks (prompt/completion, chats), the masked tokens are no targets."""
+    """A folder of prepared token shards (scripts/prepare_data.py). By default windows of block_size tokens across
+    documents, as data=tokens cuts them, over every training shard end to end; with data.packing=true whole
+    documents packed into blocks, each attending to itself only; with false one document per sample, padded.
+    Validation is the documents the preparation held out. With label masks (prompt/completion, chats), the masked
+    tokens are no targets. Targets are the next tokens already (objective=cross_entropy, the default)."""
 
     def __init__(
         self,
         path: Annotated[str, Arg("a folder of token shards that scripts/prepare_data.py wrote")],
+        packing: Annotated[Union[bool, Literal["cross_document"]], Arg(
+            "cross_document: windows of block_size across documents (pretraining); true: whole documents packed "
+            "into blocks of block_size, each attending to itself only (trains as padded documents do); false: one "
+            "document per sample, padded")] = "cross_document",
+        long_documents: Annotated[Literal["truncate", "split"], Arg(
+            "with packing true or false, a document longer than block_size is truncated to it, or (packing=true) "
+            "split into documents of block_size")] = "truncate",
         **stream,
     ):
         super().__init__(**stream)
         self.folder = Path(path).expanduser()
         self.manifest = read_manifest(self.folder)
+        whole = packing != "cross_document"
+        if whole and (self.random_offset or self.random_windows):
+            raise UsageError(f"data.packing={str(packing).lower()} keeps documents whole; data.random_offset and "
+                             "data.random_windows move windows across documents (data.packing=cross_document)")
+        if long_documents == "split" and packing is not True:
+            raise UsageError("data.long_documents=split is for data.packing=true (one document per sample is "
+                             "truncated to block_size; cross_document windows cut every document at block edges)")
         (train, train_masks), (val, val_masks) = (open_split(self.folder, self.manifest, s) for s in SPLITS)
-        self.train = MaskedWindows(train, train_masks, self.block_size, random_offset=self.random_offset,
-                                   seed=self.seed, random_windows=self.random_windows)
-        self.val = MaskedWindows(val, val_masks, self.block_size)
-        for name, windows in (("training", self.train), ("validation", self.val)):
-            if len(windows) == 0:
-                raise UsageError(f"data.path={path}: its {name} split holds {len(windows.tokens)} tokens, no window "
-                                 f"of data.block_size={self.block_size}")
+        if whole:
+            split_long = long_documents == "split"
+            self.train, self.val = (
+                PackedDocuments(tokens, masks, document_ends(self.folder, self.manifest, split), self.block_size,
+                                pack=packing is True, split_long=split_long)
+                for split, tokens, masks in (("train", train, train_masks), ("validation", val, val_masks)))
+            self.collate_fn = pad_packed if packing is True else functools.partial(pad_right, pad_id=0)
+            self.attends_per_document = packing is True  # the model must read documents from position_ids
+            from accelerate import PartialState
+
+            if packing is True and PartialState().is_main_process:
+                for name, blocks in (("training", self.train), ("validation", self.val)):
+                    log.info("data.packing=true, %s: %s", name, blocks.summary(self.block_size, split_long))
+        else:
+            self.train = MaskedWindows(train, train_masks, self.block_size, random_offset=self.random_offset,
+                                       seed=self.seed, random_windows=self.random_windows)
+            self.val = MaskedWindows(val, val_masks, self.block_size)
+        for name, samples in (("training", self.train), ("validation", self.val)):
+            if len(samples) == 0:
+                raise UsageError(f"data.path={path}: its {name} split holds {len(samples.tokens)} tokens, no "
+                                 + ("document" if whole else f"window of data.block_size={self.block_size}"))
         self.codec = Codec.load(self.folder)
         # The manifest holds each shard's digest from the preparation; file_digest samples each file's content.
+        suffixes = ("", *((".loss",) if self.manifest["loss_masks"] else ()), *((".index",) if whole else ()))
         self.source_files = {MANIFEST: self.folder / MANIFEST, **{
             shard["file"] + suffix: self.folder / (shard["file"] + suffix)
-            for split in SPLITS for shard in self.manifest["splits"][split]
-            for suffix in (("", ".loss") if self.manifest["loss_masks"] else ("",))}}
+            for split in SPLITS for shard in self.manifest["splits"][split] for suffix in suffixes}}
 
     def train_sampler(self, dataset) -> Permutation:
         # Millions of windows: an order computed as the loader goes, not a list of the epoch (src/data/sampling.py).
