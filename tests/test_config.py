@@ -38,6 +38,7 @@ def compose_train(overrides: list[str]):
 PARTNERS = {
     "data=tokens": ["data.path=x.bin", "data.vocab_size=256"],
     "data=shards": ["data.path=shards"],
+    "data=stream": ["data.path=corpus.jsonl"],
     "model=resnet": ["data=cifar10"],
     "data=cifar10": ["model=resnet"],
     "data=jsonl": ["objective=causal_lm"],

@@ -49,6 +49,8 @@ RUN = [
      "--val-fraction 0.1", {}, []),
     ("accelerate launch train.py data=shards data.path=data/speeches_shards", {}, [*TINY, *STEPS]),
     ("accelerate launch train.py data=shards data.path=data/speeches_shards data.packing=true", {}, [*TINY, *STEPS]),
+    ("accelerate launch train.py data=stream data.path=data/shakespeare_speeches.jsonl trainer.max_steps=100", {},
+     [*TINY, *STEPS]),
     ("python scripts/prepare_data.py HuggingFaceFW/fineweb-edu data/fineweb_edu --subset sample-10BT --tokenizer gpt2 "
      "--workers 32 --tasks 64", {**FINEWEB_HERE, "--workers 32 ": "--workers 2 "}, []),
     ("accelerate launch train.py experiment=fineweb_gpt2 trainer.gradient_accumulation_steps=8",

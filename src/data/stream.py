@@ -1,0 +1,123 @@
+"""A corpus streamed, never materialised: for data larger than a node's disk, or a hub dataset read as it
+trains. `datasets` reads the rows lazily (load_dataset(streaming=True)); each batch of rows is tokenized and cut
+into windows across documents in the loader (its workers, with data.num_workers), as data=tokens cuts a file.
+
+Exact resume: the stream is read in a fixed order, so a run's position is the number of windows its processes
+consumed (the checkpoint's samples into the epoch), and a resumed run reads the stream again up to there (skipping
+windows, not training on them: the cost of a resume is reading its position, on every process). Where that order
+depends on the layout (the files shared among processes, or the loader's workers) it is part of the data's
+fingerprint, so a resume on another layout is refused naming it; with one stream for every process (a source of
+fewer files than processes) a run resumes exactly on any number of processes.
+"""
+
+import logging
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import numpy as np
+
+from src.data.base import DataModule, model_size
+from src.data.hf_dataset import BUILDERS
+from src.data.jsonl import tokenized_documents
+from src.data.text import TokenWindows
+from src.data.tokenizer import REVISION, codec_for
+from src.errors import UsageError
+from src.schema.signature import Arg
+
+log = logging.getLogger(__name__)
+ROWS_PER_MAP = 1000  # rows tokenized together: each batch's tail shorter than a window is dropped (as run_clm's)
+
+
+def streamed_rows(path: str, subset: Optional[str], split: str) -> Any:
+    """data.path's rows as a datasets.IterableDataset, read as it is iterated."""
+    try:
+        from datasets import load_dataset
+    except ImportError as error:
+        raise UsageError("data=stream needs datasets: pip install -r requirements-extras.txt") from error
+    source = Path(path).expanduser()
+    if source.is_file():
+        if source.suffix not in BUILDERS:
+            raise UsageError(f"data.path={path}: a {source.suffix or 'suffix-less'} file; data=stream reads "
+                             f"{', '.join(BUILDERS)} files, a folder of them or a hub dataset id")
+        return load_dataset(BUILDERS[source.suffix], data_files=str(source), split="train", streaming=True)
+    try:
+        return load_dataset(str(source) if source.exists() else path, subset, split=split, streaming=True)
+    except ValueError as error:
+        raise UsageError(f"data.path={path} (data.subset={subset}, data.split={split}): {error}") from None
+
+
+class StreamData(DataModule):
+    """Windows of block_size tokens across the documents of a streamed corpus; its first val_documents rows
+    validate (read once, at start), the rest train, in the source's order."""
+
+    def __init__(
+        self,
+        path: Annotated[str, Arg("a Parquet, JSON Lines, CSV or Arrow file, a folder of them, or a Hugging Face "
+                                 "hub dataset id, read as it trains")],
+        block_size: Annotated[int, Arg("tokens per sample", ge=1)],
+        text_column: Annotated[str, Arg("the column holding each document's text")] = "text",
+        split: Annotated[str, Arg("the split to read (a file read directly is the split 'train')")] = "train",
+        subset: Annotated[Optional[str], Arg("the subset of a folder or hub dataset that has several")] = None,
+        val_documents: Annotated[int, Arg("the first rows of the stream that validate (the rest train)",
+                                          ge=1)] = 1000,
+        tokenizer: Annotated[Optional[str], Arg("byte, a tokenizers JSON file or a from_pretrained folder or hub "
+                                                "id holding one (null: byte)")] = "byte",
+        tokenizer_revision: Annotated[Optional[str], Arg(REVISION)] = None,
+        **loader,
+    ):
+        super().__init__(**loader)
+        self.path, self.block_size, self.text_column = path, block_size, text_column
+        self.codec = codec_for(tokenizer, revision=tokenizer_revision)
+        rows = streamed_rows(path, subset, split)
+        if rows.column_names is not None and text_column not in rows.column_names:
+            raise UsageError(f"data.text_column={text_column}: {path} has no such column; its columns: "
+                             f"{', '.join(rows.column_names)}")
+        self.identity = {"path": path, "subset": subset, "split": split, "text column": text_column,
+                         "val_documents": val_documents, "files": rows.n_shards}
+        local = Path(path).expanduser()
+        self.source_files = ({local.name: local} if local.is_file() else
+                             {str(f.relative_to(local)): f for f in sorted(local.rglob("*"))
+                              if f.is_file() and not f.name.startswith(".")} if local.is_dir() else {})
+        held_out = [row[text_column] for row in rows.take(val_documents)]
+        val = np.array([t for ids in tokenized_documents(self.codec, held_out)[0] for t in ids], dtype=np.int64)
+        self.val = TokenWindows(val, block_size)
+        if len(self.val) == 0:
+            raise UsageError(f"data.path={path}: its first data.val_documents={val_documents} rows hold {len(val)} "
+                             f"tokens, no window of data.block_size={block_size} to validate on")
+        self.train = rows.skip(val_documents).map(
+            self._windows, batched=True, batch_size=ROWS_PER_MAP, remove_columns=rows.column_names
+        ).with_format("torch")
+
+    def _windows(self, batch: dict) -> dict:
+        """A batch of rows as windows across its documents, each with its next-token targets."""
+        ids = [t for document in tokenized_documents(self.codec, batch[self.text_column])[0] for t in document]
+        windows = TokenWindows(np.asarray(ids, dtype=np.int64), self.block_size)
+        chunks = [windows.tokens[windows.start(i) : windows.start(i) + self.block_size + 1]
+                  for i in range(len(windows))]
+        return {"input_ids": [chunk[:-1] for chunk in chunks], "labels": [chunk[1:] for chunk in chunks]}
+
+    def order(self) -> str:
+        """What the order of the windows the processes train on depends on, besides the source."""
+        from accelerate import PartialState
+
+        processes = PartialState().num_processes
+        split = (f"its {self.train.n_shards} files shared among {processes} processes"
+                 if processes > 1 and self.train.n_shards >= processes else "one stream for every process")
+        return split + (f", read by {self.num_workers} loader workers each" if self.num_workers else "")
+
+    def fingerprint(self) -> dict:
+        # A stream has no length and no index: its identity and the order it is read in say what a run consumed.
+        return {**super().fingerprint(), **{f"stream {key}": value for key, value in self.identity.items()},
+                "stream order": self.order(), "vocabulary": self.codec.identity()}
+
+    def consumed(self, loader, state, epoch_samples) -> dict[str, int]:
+        return {"stream: passes over it completed": state.epoch,
+                f"stream: windows of {self.block_size} tokens read in this pass": state.samples_into_epoch}
+
+    @model_size
+    def vocab_size(self) -> int:
+        return self.codec.vocab_size
+
+    def decode(self, ids: list[int]) -> str:
+        return self.codec.decode(ids)
+
