@@ -60,3 +60,11 @@ def test_a_stream_whose_files_are_shared_among_processes_refuses_to_resume_on_an
     run(stream_args(folder, run_dir, "trainer.max_steps=10"), nproc=2)
     refused(run([*stream_args(folder, run_dir, "trainer.max_steps=20"), "resume=auto"], check=False),
             "stream order", "2 files shared among 2 processes")
+
+
+def test_a_stream_too_short_for_one_global_batch_is_refused_rather_than_read_again_forever(tmp_path):
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(SPEECHES.read_text().splitlines(keepends=True)[:150]))
+    # 50 training documents: some windows, fewer than one global batch of 4 x 64 windows.
+    refused(run(stream_args(short, tmp_path / "run", "data.batch_size=64", "trainer.gradient_accumulation_steps=4"),
+                check=False, timeout=120), "global batch", "data.path")

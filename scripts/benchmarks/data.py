@@ -18,6 +18,7 @@ Each figure is one run, side by side in one invocation; the machine is named in 
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -109,46 +110,93 @@ def first_step(overrides: list[str], tmp: Path) -> dict:
             "data_wait": [event.value for event in scalars(run_dir, "train/data_wait")]}
 
 
+def loader_tokens_per_s(data, batches: int) -> dict:
+    """Tokens/s one process's training loader gives (no model: what it could feed), after its first batch."""
+    loader = iter(data.train_dataloader())
+    first = next(loader)
+    started, tokens = time.perf_counter(), 0
+    for batch, _ in zip(loader, range(batches)):
+        inputs = batch["input_ids"] if isinstance(batch, dict) else batch[0]
+        tokens += inputs.numel()
+    return {"batches": batches, "tokens_per_s": round(tokens / (time.perf_counter() - started)),
+            "batch_shape": list((first["input_ids"] if isinstance(first, dict) else first[0]).shape)}
+
+
+PARTS = ("tokenizer", "prepare", "startup", "wait", "wait_gpt2", "loaders")
+
+
 def data(args) -> dict:
-    report = {}
+    report, parts = {}, args.parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"--parts: {', '.join(unknown)} unknown; choose among {', '.join(PARTS)}")
     with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
         tmp = Path(scratch)
         tokenizer = Path(args.tokenizer) if args.tokenizer else bpe_tokenizer(tmp / "bpe.json")
         corpus = synthetic_corpus(tmp / "corpus.jsonl", int(args.prepare_tokens * 3.7))
-        report["tokenizer"] = {"file": args.tokenizer or "byte-level BPE, 8,192 tokens, trained on tiny Shakespeare",
-                               **tokenizer_throughput(tokenizer, corpus)}
-        for workers in (1, 2):
-            out = tmp / f"prepared_{workers}"
-            started = time.time()
-            run([sys.executable, "scripts/prepare_data.py", str(corpus), str(out), "--tokenizer", str(tokenizer),
-                 "--workers", str(workers), "--tasks", str(2 * workers)])
-            seconds = time.time() - started
-            manifest = json.loads((out / "manifest.json").read_text())
-            tokens = sum(s["tokens"] for split in manifest["splits"].values() for s in split)
-            on_disk = sum(f.stat().st_size for f in out.iterdir() if f.name.endswith((".ds", ".ds.index")))
-            report[f"prepare, {workers} worker(s)"] = {"tokens": tokens, "seconds": round(seconds, 1),
-                                                       "tokens_per_s": round(tokens / seconds),
-                                                       "bytes_per_token": round(on_disk / tokens, 2)}
-        hf = ["data=hf_dataset", f"data.path={corpus}", f"data.tokenizer={tokenizer}", "objective=causal_lm",
-              "model=hf_causal_lm", "model.config.n_layer=2", "model.config.n_head=2", "model.config.n_embd=64",
-              "model.block_size=256", "data.packing=cross_document", "trainer.max_steps=1"]
-        report[f"data=hf_dataset on the corpus ({report['prepare, 1 worker(s)']['tokens']:,} tokens)"] = {
-            key: value for key, value in first_step(hf, tmp).items() if key not in ("summary", "data_wait")}
-        for name, tokens in (("small", args.small), ("large", args.large)):
-            shards = synthetic_shards(tmp / f"shards_{name}", tokens)
-            measured = first_step([*TINY, "data=shards", f"data.path={shards}", "trainer.max_steps=1"], tmp)
-            report[f"data=shards, {tokens:,} tokens"] = {k: v for k, v in measured.items()
-                                                         if k not in ("summary", "data_wait")}
-        measured = first_step(["data=shards", f"data.path={tmp / 'shards_large'}", f"trainer.max_steps={args.steps}",
-                               "data.random_windows=true"], tmp)
-        time_s, later = measured["summary"]["time_s"], sorted(measured["data_wait"][1:])
-        report["data wait, default GPT on the large shards"] = {
-            "steps": args.steps, "data_wait_s": round(time_s["of which data wait"], 3),
-            "training_s": round(time_s["training"], 3),
-            "first_step_share": round(measured["data_wait"][0], 4),  # the loader's start: an epoch's permutation
-            "later_steps_median_share": round(later[len(later) // 2], 4) if later else None,
-            "later_steps_max_share": round(later[-1], 4) if later else None,
-            "tokens_per_s": round(measured["summary"]["tokens_per_second"])}
+        if "tokenizer" in parts:
+            report["tokenizer"] = {"file": args.tokenizer or "byte-level BPE, 8,192 tokens, trained on tiny "
+                                   "Shakespeare", **tokenizer_throughput(tokenizer, corpus)}
+        if "prepare" in parts:
+            for workers in (1, 2):
+                out = tmp / f"prepared_{workers}"
+                started = time.time()
+                run([sys.executable, "scripts/prepare_data.py", str(corpus), str(out), "--tokenizer", str(tokenizer),
+                     "--workers", str(workers), "--tasks", str(2 * workers)])
+                seconds = time.time() - started
+                manifest = json.loads((out / "manifest.json").read_text())
+                tokens = sum(s["tokens"] for split in manifest["splits"].values() for s in split)
+                on_disk = sum(f.stat().st_size for f in out.iterdir() if f.name.endswith((".ds", ".ds.index")))
+                report[f"prepare, {workers} worker(s)"] = {"tokens": tokens, "seconds": round(seconds, 1),
+                                                           "tokens_per_s": round(tokens / seconds),
+                                                           "bytes_per_token": round(on_disk / tokens, 2)}
+                if workers == 2:
+                    shutil.rmtree(out)
+        if "startup" in parts:
+            hf = ["data=hf_dataset", f"data.path={corpus}", f"data.tokenizer={tokenizer}", "objective=causal_lm",
+                  "model=hf_causal_lm", "model.config.n_layer=2", "model.config.n_head=2", "model.config.n_embd=64",
+                  "model.block_size=256", "data.packing=cross_document", "trainer.max_steps=1"]
+            report[f"data=hf_dataset on the corpus ({args.prepare_tokens:,} tokens)"] = {
+                key: value for key, value in first_step(hf, tmp).items() if key not in ("summary", "data_wait")}
+            for name, tokens in (("small", args.small), ("large", args.large)):
+                shards = synthetic_shards(tmp / f"shards_{name}", tokens)
+                measured = first_step([*TINY, "data=shards", f"data.path={shards}", "trainer.max_steps=1"], tmp)
+                report[f"data=shards, {tokens:,} tokens"] = {k: v for k, v in measured.items()
+                                                             if k not in ("summary", "data_wait")}
+        if "wait" in parts:
+            large = tmp / "shards_large"
+            if not large.is_dir():
+                synthetic_shards(large, args.large)
+            shapes = [("default GPT", [], args.steps)]
+            if "wait_gpt2" in parts:  # a step of minutes' worth on a CPU: the loader's share at the recipe's shape
+                shapes.append(("GPT-2-124M", ["model.n_layer=12", "model.n_head=12", "model.n_embd=768",
+                                              "model.block_size=1024", "data.batch_size=4"], 4))
+            for shape, overrides, steps in shapes:
+                measured = first_step([*overrides, "data=shards", f"data.path={large}", f"trainer.max_steps={steps}",
+                                       "data.random_windows=true"], tmp)
+                time_s, later = measured["summary"]["time_s"], sorted(measured["data_wait"][1:])
+                report[f"data wait, {shape} on the large shards"] = {
+                    "steps": steps, "data_wait_s": round(time_s["of which data wait"], 3),
+                    "training_s": round(time_s["training"], 3),
+                    "first_step_share": round(measured["data_wait"][0], 4),
+                    "later_steps_median_share": round(later[len(later) // 2], 4) if later else None,
+                    "later_steps_max_share": round(later[-1], 4) if later else None,
+                    "tokens_per_s": round(measured["summary"]["tokens_per_second"])}
+        if "loaders" in parts:
+            from src.data.shards import ShardData
+            from src.data.stream import StreamData
+
+            prepared = tmp / "prepared_1"
+            if not prepared.is_dir():
+                run([sys.executable, "scripts/prepare_data.py", str(corpus), str(prepared), "--tokenizer",
+                     str(tokenizer)])
+            for block, batch in ((256, 32), (1024, 8)):
+                shards = ShardData(path=str(prepared), block_size=block, batch_size=batch, random_windows=True)
+                report[f"loader, data=shards, block {block}"] = loader_tokens_per_s(shards, 200)
+                for workers in (0, 2):
+                    stream = StreamData(path=str(corpus), block_size=block, batch_size=batch, val_documents=100,
+                                        tokenizer=str(tokenizer), num_workers=workers)
+                    report[f"loader, data=stream, block {block}, {workers} workers"] = loader_tokens_per_s(stream, 200)
     return report
 
 
@@ -160,5 +208,6 @@ def add_commands(commands) -> dict:
     c.add_argument("--small", type=int, default=10_000_000, help="tokens of the small shards")
     c.add_argument("--large", type=int, default=1_000_000_000, help="tokens of the large shards")
     c.add_argument("--steps", type=int, default=20, help="steps of the data-wait run")
+    c.add_argument("--parts", default=",".join(PARTS), help=f"which measures, among {', '.join(PARTS)}")
     c.add_argument("--scratch", default=None, help="where to write the corpus and shards (a few GB at the default)")
     return {"data": data}

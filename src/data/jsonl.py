@@ -82,7 +82,7 @@ def tokenized_documents(codec, texts: list, prompts: Optional[list] = None) -> t
     elif any(isinstance(text, list) for text in texts):  # the loss on the assistant's turns
         samples = [conversation(codec, text) for text in texts if text]
     else:
-        return [ids for ids in map(codec.encode, texts) if ids], None
+        return [ids for ids in codec.encode_batch(texts) if ids], None
     samples = [(ids, labels) for ids, labels in samples if ids]
     return [ids for ids, _ in samples], [labels for _, labels in samples]
 

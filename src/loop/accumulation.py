@@ -80,9 +80,17 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
         remaining = itertools.count() if epoch_steps is None else range(epoch_steps - done_steps)
         epoch_loader = accelerator.skip_first_batches(loader, done_steps * accumulation) if done_steps else loader
         batches = iter(epoch_loader)
-        for _ in remaining:
-            window = list(itertools.islice(batches, accumulation))
+        too_short = UsageError(f"the training data ended before one global batch ({per_micro_step * accumulation} "
+                               "samples): a dataset without a length and without samples enough to train on (check "
+                               "data.path, and what validation holds out of it)")
+        for taken in remaining:
+            try:
+                window = list(itertools.islice(batches, accumulation))
+            except ValueError as error:  # accelerate's words for an iterable that gave nothing at all
+                raise too_short if "does not contain any data" in str(error) else error from None
             if len(window) < accumulation:  # a dataset without a length ended: its partial window waits
+                if taken == 0 and done_steps == 0:  # and it would end every epoch so: the run would never end
+                    raise too_short
                 break
             state.samples_into_epoch += per_micro_step * accumulation
             yield window
