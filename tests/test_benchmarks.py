@@ -79,7 +79,8 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu():
     (["stop-vote", "--repeats", "1", "--steps", "20", "--size", "64"],
      lambda r: r["async (the loop's)"]["ms_per_step"]),
     (["scale", "--sizes", "1x64", "--layouts", "ddp", "fsdp2", "--block-size", "32"],
-     lambda r: len(r["1x64"]["fsdp2"]["peak_rss_gib_per_rank"]) == 2 and r["1x64"]["fsdp2_over_ddp_peak"]),
+     lambda r: len(r["1x64"]["fsdp2"]["peak_rss_gib_per_rank"]) == 2 and r["1x64"]["fsdp2_over_ddp_peak"]
+     and len(r["1x64"]["fsdp2"]["export_peak_rss_gib_per_rank"]) == 2 and r["1x64"]["fsdp2"]["export_s"] >= 0),
     (["packing", "--repeats", "1", "--steps", "2", "--block-size", "32", "--model", "gpt"],
      lambda r: r["packed"]["targets_per_step"] > r["padded"]["targets_per_step"] > 0),
     (["data", "--repeats", "1", "--prepare-tokens", "200000", "--small", "300000", "--large", "3000000",

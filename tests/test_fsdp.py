@@ -358,6 +358,20 @@ def test_clipping_the_nonfinite_check_and_the_export_work_on_sharded_tied_weight
     assert found["tied"] and found["weights_equal"], found
 
 
+@pytest.mark.parametrize("kind", ["gpt", pytest.param("lora", marks=pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None, reason="optional: pip install -r requirements-extras.txt"))])
+def test_the_export_of_sharded_weights_holds_no_whole_copy_on_any_rank_and_writes_the_gathered_files(kind):
+    """Each tensor gathered, written and freed in turn (LoRA merged layer by layer): no rank's resident memory
+    grows by half the model, where gathering the whole state dict grows rank 0's by the model (twice with the
+    adapter merged into a rebuilt copy), which shows that the measure sees a whole copy."""
+    proc = run([kind], script="tests/fsdp_export_memory.py", nproc=2, launcher="torchrun")
+    found = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert found["same_files"], found
+    whole = found["whole_gib"]
+    assert all(rank["beyond_gib"] < 0.5 * whole for rank in found["streamed"]), found
+    assert found["gathered"][0]["beyond_gib"] > 0.8 * whole, found
+
+
 @pytest.mark.gpu
 def test_fsdp_on_one_gpu_trains_resumes_bitwise_from_a_background_save_and_exports_a_loadable_tied_model(tmp_path):
     """The resumed run's checkpoints are written in the background: its shards are staged from the GPU into pinned

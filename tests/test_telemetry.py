@@ -55,6 +55,9 @@ def test_summary_json_is_complete_and_agrees_with_the_event_file(two_process_run
     start_up = summary["peak_memory_gib"]["rss_per_rank_before_the_first_step"]  # the build, prepare and load
     assert len(start_up) == 2 and all(0.1 < before <= peak for before, peak in zip(start_up, peaks))
     assert stdout.count("run summary (") == 1  # printed once, by rank 0
+    export = summary["export"]  # the final export, after the summary: its time and each rank's peak while it ran
+    assert export["seconds"] >= 0 and len(export["peak_rss_gib_per_rank"]) == 2
+    assert all(0.1 < peak for peak in export["peak_rss_gib_per_rank"])
 
 
 def test_without_a_terminal_progress_is_plain_lines_with_step_loss_throughput_and_eta(two_process_run):

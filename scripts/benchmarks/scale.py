@@ -2,7 +2,7 @@
 on N processes: one process alone, DDP, FSDP2 (config/accelerate/fsdp.yaml, its sharded start) and FSDP2 with a
 whole copy per rank at the start. Per size and layout: each rank's peak resident memory (and CUDA's peak on GPUs),
 the step time, tokens/s, how long the loop was blocked by a checkpoint save, the time to the first step of a fresh
-run and of a run resumed from that checkpoint.
+run and of a run resumed from that checkpoint, and the final export's time and each rank's peak while it ran.
 
 Every layout runs the same train.py with the same overrides, so every side is measured the same way: memory from
 the run's summary.json (each rank's peak RSS, read by the rank itself at the end), times from its summary and
@@ -119,6 +119,9 @@ def one_size(args, layers: int, hidden: int, work: Path) -> dict:
             "checkpoint_gb": round(sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()) / 1e9, 2),
             "first_step_after_s": round(summary["time_s"]["start-up"], 1),
             "first_step_after_resume_s": round(resumed["time_s"]["start-up"], 1),
+            # The final export (after the summary's peak): each rank's peak while it ran, and its time.
+            "export_peak_rss_gib_per_rank": summary.get("export", {}).get("peak_rss_gib_per_rank"),
+            "export_s": summary.get("export", {}).get("seconds"),
         }
         shutil.rmtree(run_dir), shutil.rmtree(resumed_dir)  # gigabytes of checkpoints per size and layout
     peaks = {k: max(v["peak_rss_gib_per_rank"]) for k, v in rows.items() if isinstance(v, dict) and "processes" in v}

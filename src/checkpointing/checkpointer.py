@@ -32,6 +32,7 @@ from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import gather_object
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_model
 
@@ -54,8 +55,23 @@ from src.checkpointing.training_state import (
 )
 from src.errors import LaunchError, UsageError
 from src.loop.train_state import TrainState, improves
+from src.reporting.telemetry import resident_peak
 
 log = logging.getLogger(__name__)
+
+
+def record_export(run_dir: Path, seconds: float, peaks: list[Optional[float]]) -> None:
+    """The final export's time and each rank's peak resident memory while it ran, added to summary.json (a scale
+    run reads there what the export costs beside what training did)."""
+    summary_file = run_dir / "summary.json"
+    if not summary_file.is_file():
+        return
+    summary = json.loads(summary_file.read_text())
+    summary["export"] = {"seconds": round(seconds, 2),
+                         "peak_rss_gib_per_rank": [None if p is None else round(p, 3) for p in peaks]}
+    tmp = summary_file.with_name(summary_file.name + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(summary_file)
 
 
 def resume_point(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> tuple[Optional[Path], DictConfig]:
@@ -167,8 +183,14 @@ class Checkpointer:
     def export_final(self) -> None:
         """The trained model (and its EMA) as plain files: RUN/model, RUN/model_ema. Every rank calls it."""
         self.wait()
-        self.export(self.run_dir / "model")
+        started = time.perf_counter()
+        with resident_peak() as memory:  # after the summary, which read the run's own peak
+            self.export(self.run_dir / "model")
+        seconds = time.perf_counter() - started
+        peaks = gather_object([memory.get("peak_gib")])  # every rank's, in rank order
         log.info("exported the final model to %s", self.run_dir / "model")
+        if self.accelerator.is_main_process:
+            record_export(self.run_dir, seconds, peaks)
         if self.ema is not None:
             self.export(self.run_dir / "model_ema", self.ema.module)
             log.info("exported the EMA of the weights to %s", self.run_dir / "model_ema")

@@ -7,9 +7,13 @@
                          <dir> itself then holds the model with the adapter merged in
 <dir>/tokenizer.json ... a pretrained transformers model's tokenizer files, carried on from its folder
 <dir>/vocabulary.json    text data: how text became ids (bytes, the characters, or tokenizer.json): sample.py
+
+Sharded weights (FSDP2) are written tensor by tensor, each gathered and freed in turn, the adapter merged layer by
+layer (src/checkpointing/streamed_export.py): no rank holds the whole model; the files are the same.
 """
 
 import copy
+import logging
 import shutil
 from pathlib import Path
 from typing import Iterable
@@ -19,8 +23,17 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_model, save_file
 
+from src.checkpointing.streamed_export import (
+    converts_weights,
+    gathered,
+    lora_merged_entries,
+    model_entries,
+    tied_copies,
+    write_safetensors,
+)
 from src.schema.trusted import check_targets
 
+log = logging.getLogger(__name__)
 # What save_pretrained writes for a tokenizer: the export of a fine-tuned model is a whole folder again.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
@@ -40,6 +53,60 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
     # before rank 0 renames it, or another rank re-creates it.
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if sharded(unwrapped) and export_streamed(accelerator, unwrapped, tmp):
+        pass  # tensor by tensor: no process held the whole model (src/checkpointing/streamed_export.py)
+    else:
+        if sharded(unwrapped) and accelerator.is_main_process:
+            log.info("export: gathering the whole model on the main process (its weights are converted on save, or "
+                     "its adapter is not plain LoRA on linear layers): it holds one whole copy meanwhile")
+        export_gathered(accelerator, model, unwrapped, tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        OmegaConf.save(config, tmp / "config.yaml", resolve=True)
+        if codec is not None:  # text data: how prompts become ids and back (sample.py)
+            codec.save(tmp)
+        shutil.rmtree(old, ignore_errors=True)
+        if directory.exists():
+            directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def export_streamed(accelerator, unwrapped: torch.nn.Module, tmp: Path) -> bool:
+    """The export of sharded weights, each gathered, written and freed in turn; False (nothing written) where
+    the model needs a whole state dict (weights transformers converts on save, adapters other than LoRA)."""
+    main, metadata = accelerator.is_main_process, {"format": "pt"}
+    if hasattr(unwrapped, "merge_and_unload"):  # peft: the adapter alone, and the model it adapts merged
+        base = unwrapped.get_base_model()
+        entries = None if converts_weights(base) else lora_merged_entries(unwrapped, tied_copies(base))
+        if entries is None:
+            return False
+        # The adapter's own weights are small: gathered whole, and written as peft writes them.
+        adapter = {name: gathered(tensor)() for name, tensor in unwrapped.state_dict().items() if "lora_" in name}
+        if main:
+            unwrapped.save_pretrained(tmp / "adapter", state_dict=adapter)
+            base.save_pretrained(tmp, state_dict={})  # its config files, as the merged model's save writes them
+        write_safetensors(tmp / "model.safetensors", entries, main, metadata)
+        files = tokenizer_files(base)
+    elif hasattr(unwrapped, "save_pretrained"):  # a transformers model: also a Hugging Face folder
+        if converts_weights(unwrapped):
+            return False
+        if main:
+            unwrapped.save_pretrained(tmp, state_dict={})  # config.json, generation_config.json
+        write_safetensors(tmp / "model.safetensors", model_entries(unwrapped, tied_copies(unwrapped)), main, metadata)
+        files = tokenizer_files(unwrapped)
+    else:
+        write_safetensors(tmp / "model.safetensors", model_entries(unwrapped, tied_copies(unwrapped)), main, metadata)
+        files = []
+    if main:
+        for file in files:
+            shutil.copy2(file, tmp / file.name)
+    return True
+
+
+def export_gathered(accelerator, model: torch.nn.Module, unwrapped: torch.nn.Module, tmp: Path) -> None:
+    """The export from the whole state dict on the main process (a whole copy of the model there)."""
     state_dict = whole_state_dict(accelerator, model)
     if accelerator.is_main_process:
         if hasattr(unwrapped, "merge_and_unload"):  # peft: the adapter alone, and the model it adapts merged
@@ -55,17 +122,6 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
         else:
             weights = without_tied_copies(state_dict, unwrapped)
             save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        OmegaConf.save(config, tmp / "config.yaml", resolve=True)
-        if codec is not None:  # text data: how prompts become ids and back (sample.py)
-            codec.save(tmp)
-        shutil.rmtree(old, ignore_errors=True)
-        if directory.exists():
-            directory.rename(old)
-        tmp.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
 
 
 def tokenizer_files(model: torch.nn.Module) -> list[Path]:

@@ -95,6 +95,23 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
 
 
+@contextlib.contextmanager
+def resident_peak() -> Iterator[dict]:
+    """The peak resident memory of what the block does (GiB, in the yielded dict's "peak_gib"; absent where Linux
+    cannot tell): the kernel's high-water mark, restarted at the block's start (/proc/self/clear_refs)."""
+    found: dict = {}
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        measured = True
+    except OSError:
+        measured = False
+    yield found
+    if measured:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                found["peak_gib"] = int(line.split()[1]) / 2**20
+
+
 class GpuMonitor:
     """Utilisation, memory, temperature and power of the GPUs this process sees, read where they are logged
     (the main process); nothing (and no noise) without NVML (nvidia-ml-py, a driver, permission).
