@@ -10,6 +10,9 @@ a kill, it skips the tasks it finished. Layout and format: src/data/shards.py. O
 (each array task takes its share of --tasks; the last to finish writes the manifest):
 
     sbatch --array=0-3 slurm/prepare_data.sbatch data/corpus data/corpus_shards --tasks 64
+
+With --cifar10, SOURCE is a folder of CIFAR-10's binary files, written as shards of its records (data=cifar10
+data.root=OUT reads them memory-mapped).
 """
 
 import argparse
@@ -19,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from src.data.prepare import Source, prepare  # noqa: E402
+from src.data.prepare import Source, prepare, prepare_cifar10  # noqa: E402
 from src.errors import UsageError  # noqa: E402
 
 
@@ -27,6 +30,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", help="what data.path of data=hf_dataset names")
     parser.add_argument("out", type=Path, help="the folder to write the shards into")
+    parser.add_argument("--cifar10", action="store_true", help="SOURCE is a folder of CIFAR-10's binary files: "
+                                                                    "its records as shards (data=cifar10 reads them)")
     parser.add_argument("--tokenizer", default="byte", help="byte, a tokenizers JSON file, or a from_pretrained "
                                                             "folder or hub id holding one")
     parser.add_argument("--tokenizer-revision")
@@ -50,6 +55,16 @@ def main() -> int:
         parser.error(f"--val-fraction={args.val_fraction}: between 0 and 1, both excluded")
     if args.workers < 1 or (args.tasks is not None and args.tasks < 1):
         parser.error("--workers and --tasks: at least 1")
+    if args.cifar10:
+        try:
+            manifest = prepare_cifar10(Path(args.source), args.out)
+        except UsageError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+        images = {split: sum(shard["documents"] for shard in shards) for split, shards in manifest["splits"].items()}
+        print(f"wrote {args.out} ({images['train']:,} training and {images['validation']:,} validation images); "
+              f"train on it with data=cifar10 data.root={args.out}")
+        return 0
     source = Source(args.source, args.tokenizer, args.tokenizer_revision, args.text_column, args.prompt_column,
                     args.split, args.subset)
     try:

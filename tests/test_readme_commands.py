@@ -49,6 +49,10 @@ RUN = [
      "--val-fraction 0.1", {}, []),
     ("accelerate launch train.py data=shards data.path=data/speeches_shards", {}, [*TINY, *STEPS]),
     ("accelerate launch train.py data=shards data.path=data/speeches_shards data.packing=true", {}, [*TINY, *STEPS]),
+    ("python scripts/prepare_data.py --cifar10 data/cifar-10-batches-bin data/cifar10_shards",
+     {"data/cifar-10-batches-bin": "{cifar}"}, []),
+    ("accelerate launch train.py experiment=cifar10_resnet data.root=data/cifar10_shards", {},
+     [*STEPS, "data.batch_size=8"]),
     ("accelerate launch train.py data=stream data.path=data/shakespeare_speeches.jsonl trainer.max_steps=100", {},
      [*TINY, *STEPS]),
     ("python scripts/prepare_data.py HuggingFaceFW/fineweb-edu data/fineweb_edu --subset sample-10BT --tokenizer gpt2 "

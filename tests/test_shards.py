@@ -291,3 +291,19 @@ def test_a_corpus_of_17_billion_tokens_gives_its_first_batch_without_listing_its
     length, firsts, peak_kib = json.loads(out.stdout.splitlines()[-1])
     assert length == windows and firsts == [1, 2, 3, 4]
     assert peak_kib < 1 << 20  # torch's sampler lists the epoch's 2**28 indices first: 2 GiB, then 10 as a list
+
+
+def test_cifar10_images_prepared_as_shards_train_the_weights_their_binary_files_train(cifar_root, tmp_path):
+    """The shard format holds other samples too: CIFAR-10's records, one a document, read memory-mapped."""
+    shards = tmp_path / "cifar_shards"
+    proc = prepare(cifar_root, shards, "--cifar10")
+    assert "1,000 training and 301 validation images" in proc.stdout
+    resnet = ["experiment=cifar10_resnet", "model.width=4", "data.batch_size=16", "data.num_workers=0",
+              "trainer.max_steps=4", "trainer.eval_batches=2", *QUIET]
+    for name, root in (("binary", cifar_root), ("shards", shards)):
+        run([*resnet, f"data.root={root}", f"hydra.run.dir={tmp_path / name}"])
+    assert max_abs_diff(exported_weights(tmp_path / "shards"), exported_weights(tmp_path / "binary")) == 0
+    assert scalars(tmp_path / "shards", "eval/loss") == scalars(tmp_path / "binary", "eval/loss")
+    prepare(ROOT / "data" / "shakespeare_speeches.jsonl", tmp_path / "text")  # shards of token ids, not images
+    refused(run([*resnet, f"data.root={tmp_path / 'text'}", f"hydra.run.dir={tmp_path / 'wrong'}"], check=False),
+            "data.root", "--cifar10")

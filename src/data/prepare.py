@@ -8,6 +8,7 @@ tokenized_documents), so prompt/completion and chat data keep their label masks 
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -150,6 +151,38 @@ def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = 
     manifest = {"format": FORMAT, "dtype": token_dtype(codec.vocab_size).name, "vocab_size": codec.vocab_size,
                 "tokenizer": codec.identity(), "loss_masks": (out / f"train_{0:05d}.ds.loss").is_file(),
                 "rows": len(rows), **settings, "splits": records}
+    (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
+    (out / (MANIFEST + ".tmp")).replace(out / MANIFEST)
+    return manifest
+
+
+def prepare_cifar10(root: Path, out: Path) -> dict:
+    """CIFAR-10's binary files as shards of the same format: each record (its label byte, then 3,072 pixel bytes)
+    one document of uint8 "tokens", a file per source file (data_batch_* train, test_batch validates), so that
+    data=cifar10 reads its images memory-mapped from a folder like any other prepared corpus."""
+    from src.data.cifar10 import RECORD_BYTES
+
+    files = {"train": sorted(root.glob("data_batch_*.bin")), "validation": [root / "test_batch.bin"]}
+    if not files["train"] or not files["validation"][0].is_file():
+        raise UsageError(f"--cifar10 {root}: CIFAR-10's binary files (data_batch_*.bin and test_batch.bin) are not "
+                         "there; scripts/make_synthetic_cifar10.py writes a small set in that format")
+    out.mkdir(parents=True, exist_ok=True)
+    splits = {}
+    for split, sources in files.items():
+        splits[split] = []
+        for task, source in enumerate(sources):
+            size = source.stat().st_size
+            if size % RECORD_BYTES:
+                raise UsageError(f"{source}: {size} bytes is not a whole number of {RECORD_BYTES}-byte records")
+            name = f"{split}_{task:05d}.ds"
+            shutil.copyfile(source, out / name)  # CIFAR's records are already the documents, end to end
+            ends = np.arange(RECORD_BYTES, size + 1, RECORD_BYTES, dtype=np.uint64)
+            ends.tofile(out / (name + ".index"))
+            splits[split].append({"file": name, "tokens": size, "documents": len(ends), "rows": [0, len(ends)],
+                                  "digest": whole_file_digest(out / name), "source": source.name})
+    manifest = {"format": FORMAT, "dtype": "uint8", "vocab_size": 256, "tokenizer": "none: CIFAR-10 records",
+                "sample": "cifar10 record: a label byte, then 3x32x32 pixel bytes (R, G, B planes)",
+                "loss_masks": False, "splits": splits}
     (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
     (out / (MANIFEST + ".tmp")).replace(out / MANIFEST)
     return manifest
