@@ -21,6 +21,7 @@ def stream_args(source: Path, run_dir: Path, *extra: str) -> list[str]:
 
 def test_the_stream_trains_windows_across_its_documents_in_their_order_after_the_held_out_ones():
     from src.data.stream import StreamData
+    from src.errors import UsageError
 
     texts = [json.loads(line)["text"] for line in SPEECHES.read_text().splitlines()]
     data = StreamData(path=str(SPEECHES), block_size=16, val_documents=100)
@@ -30,6 +31,8 @@ def test_the_stream_trains_windows_across_its_documents_in_their_order_after_the
         assert sample["labels"].tolist() == stream[16 * i + 1 : 16 * i + 17]
     held_out = [b for text in texts[:100] for b in text.encode()]
     assert data.val[0][0].tolist() == held_out[:16] and len(data.val) == (len(held_out) - 1) // 16
+    with pytest.raises(UsageError, match="data.text_column=body.*its columns: text"):
+        StreamData(path=str(SPEECHES), block_size=16, text_column="body")
 
 
 def test_a_streamed_run_killed_mid_run_resumes_bitwise_and_two_processes_train_what_one_accumulating_does(

@@ -69,9 +69,10 @@ class StreamData(DataModule):
         self.path, self.block_size, self.text_column = path, block_size, text_column
         self.codec = codec_for(tokenizer, revision=tokenizer_revision)
         rows = streamed_rows(path, subset, split)
-        if rows.column_names is not None and text_column not in rows.column_names:
+        columns = rows.column_names or list(next(iter(rows), {}))  # a source without declared features: its first row
+        if text_column not in columns:
             raise UsageError(f"data.text_column={text_column}: {path} has no such column; its columns: "
-                             f"{', '.join(rows.column_names)}")
+                             f"{', '.join(columns) or 'none (no row)'}")
         self.identity = {"path": path, "subset": subset, "split": split, "text column": text_column,
                          "val_documents": val_documents, "files": rows.n_shards}
         local = Path(path).expanduser()
@@ -85,7 +86,7 @@ class StreamData(DataModule):
             raise UsageError(f"data.path={path}: its first data.val_documents={val_documents} rows hold {len(val)} "
                              f"tokens, no window of data.block_size={block_size} to validate on")
         self.train = rows.skip(val_documents).map(
-            self._windows, batched=True, batch_size=ROWS_PER_MAP, remove_columns=rows.column_names
+            self._windows, batched=True, batch_size=ROWS_PER_MAP, remove_columns=columns
         ).with_format("torch")
 
     def _windows(self, batch: dict) -> dict:
