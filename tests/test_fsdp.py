@@ -358,8 +358,9 @@ def test_clipping_the_nonfinite_check_and_the_export_work_on_sharded_tied_weight
     assert found["tied"] and found["weights_equal"], found
 
 
-@pytest.mark.parametrize("kind", ["gpt", pytest.param("lora", marks=pytest.mark.skipif(
-    importlib.util.find_spec("peft") is None, reason="optional: pip install -r requirements-extras.txt"))])
+@pytest.mark.parametrize("kind", ["gpt", pytest.param("lora", marks=[pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None, reason="optional: pip install -r requirements-extras.txt"),
+    pytest.mark.slow])])  # 7 s more for the merge layer by layer; the LoRA export's files are tested by default
 def test_the_export_of_sharded_weights_holds_no_whole_copy_on_any_rank_and_writes_the_gathered_files(kind):
     """Each tensor gathered, written and freed in turn (LoRA merged layer by layer): no rank's resident memory
     grows by half the model, where gathering the whole state dict grows rank 0's by the model (twice with the

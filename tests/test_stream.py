@@ -35,6 +35,7 @@ def test_the_stream_trains_windows_across_its_documents_in_their_order_after_the
         StreamData(path=str(SPEECHES), block_size=16, text_column="body")
 
 
+@pytest.mark.slow  # 15 s, four launches; the stream's order is the in-process test's; CI runs it
 def test_a_streamed_run_killed_mid_run_resumes_bitwise_and_two_processes_train_what_one_accumulating_does(
         tmp_path):
     one, killed, two = tmp_path / "one", tmp_path / "killed", tmp_path / "two"
@@ -53,6 +54,7 @@ def test_a_streamed_run_killed_mid_run_resumes_bitwise_and_two_processes_train_w
     assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
 
 
+@pytest.mark.slow  # 8 s, two launches; CI runs it
 def test_a_stream_whose_files_are_shared_among_processes_refuses_to_resume_on_another_count(tmp_path):
     folder = tmp_path / "corpus"
     folder.mkdir()
@@ -65,6 +67,7 @@ def test_a_stream_whose_files_are_shared_among_processes_refuses_to_resume_on_an
             "stream order", "2 files shared among 2 processes")
 
 
+@pytest.mark.slow  # 9 s for a guard; CI runs it
 def test_a_stream_too_short_for_one_global_batch_is_refused_rather_than_read_again_forever(tmp_path):
     short = tmp_path / "short.jsonl"
     short.write_text("".join(SPEECHES.read_text().splitlines(keepends=True)[:150]))
