@@ -45,6 +45,7 @@ def test_a_streamed_run_killed_mid_run_resumes_bitwise_and_two_processes_train_w
               ready=lambda: (killed / "checkpoints" / "step_00000010").is_dir())
     assert not (killed / "model").exists()
     resumed = run([*stream_args(SPEECHES, killed, accumulating), "resume=auto"])
+    assert "resuming 80 samples into pass 0" in resumed.stdout  # where in the stream it picks up (step 10)
     assert scalars(killed, "train/loss") == scalars(one, "train/loss")
     assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
     # The summary says where in the stream the run ended: 30 steps of 2 micro-batches of 4 windows.

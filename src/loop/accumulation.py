@@ -78,6 +78,9 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
             loader.dataset.set_epoch(state.epoch)
         done_steps = state.samples_into_epoch // (per_micro_step * accumulation)
         remaining = itertools.count() if epoch_steps is None else range(epoch_steps - done_steps)
+        if done_steps and epoch_steps is None and accelerator.is_main_process:
+            log.info("resuming %d samples into pass %d of a dataset without a length (a stream): reading it again "
+                     "up to there", state.samples_into_epoch, state.epoch)
         epoch_loader = accelerator.skip_first_batches(loader, done_steps * accumulation) if done_steps else loader
         batches = iter(epoch_loader)
         too_short = UsageError(f"the training data ended before one global batch ({per_micro_step * accumulation} "
