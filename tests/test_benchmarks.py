@@ -84,9 +84,10 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu():
     (["packing", "--repeats", "1", "--steps", "2", "--block-size", "32", "--model", "gpt"],
      lambda r: r["packed"]["targets_per_step"] > r["padded"]["targets_per_step"] > 0),
     (["data", "--repeats", "1", "--prepare-tokens", "200000", "--small", "300000", "--large", "3000000",
-      "--steps", "2", "--parts", "tokenizer,prepare,startup,wait,loaders"],
+      "--steps", "2", "--parts", "tokenizer,prepare,tiny,startup,wait,loaders"],
      lambda r: r["prepare, 2 worker(s)"]["tokens_per_s"] * r["data=shards, 3,000,000 tokens"]["first_step_s"]
-     * r["loader, data=stream, block 256, 2 workers"]["tokens_per_s"]),
+     * r["loader, data=stream, block 256, 2 workers"]["tokens_per_s"]
+     * r["prepare tiny Shakespeare, 2 worker(s)"]["tokens_per_s"] * r["tiny Shakespeare, data=shards"]["first_step_s"]),
 ], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data"])
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""

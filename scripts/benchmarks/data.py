@@ -122,7 +122,7 @@ def loader_tokens_per_s(data, batches: int) -> dict:
             "batch_shape": list((first["input_ids"] if isinstance(first, dict) else first[0]).shape)}
 
 
-PARTS = ("tokenizer", "prepare", "startup", "wait", "wait_gpt2", "loaders")
+PARTS = ("tokenizer", "prepare", "tiny", "startup", "wait", "wait_gpt2", "loaders")
 
 
 def data(args) -> dict:
@@ -152,6 +152,29 @@ def data(args) -> dict:
                                                            "bytes_per_token": round(on_disk / tokens, 2)}
                 if workers == 2:
                     shutil.rmtree(out)
+        if "tiny" in parts:  # tiny Shakespeare, a line a document: the preparation's fixed costs, a small corpus
+            tiny = ROOT / "data" / "tinyshakespeare.txt"
+            for workers in (1, 2):
+                out = tmp / f"tiny_{workers}"
+                started = time.time()
+                run([sys.executable, "scripts/prepare_data.py", str(tiny), str(out), "--tokenizer", str(tokenizer),
+                     "--workers", str(workers), "--tasks", str(2 * workers)])
+                seconds = time.time() - started
+                manifest = json.loads((out / "manifest.json").read_text())
+                tokens = sum(s["tokens"] for split in manifest["splits"].values() for s in split)
+                report[f"prepare tiny Shakespeare, {workers} worker(s)"] = {
+                    "tokens": tokens, "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds)}
+            hf = ["data=hf_dataset", f"data.path={tiny}", f"data.tokenizer={tokenizer}", "objective=causal_lm",
+                  "model=hf_causal_lm", "model.config.n_layer=2", "model.config.n_head=2", "model.config.n_embd=64",
+                  "model.block_size=256", "data.packing=cross_document", "trainer.max_steps=20"]
+            for name, overrides in (("data=hf_dataset", hf), ("data=shards", [*TINY, "data=shards",
+                                                                                f"data.path={tmp / 'tiny_1'}",
+                                                                                "trainer.max_steps=20"])):
+                measured = first_step(overrides, tmp)
+                later = sorted(measured["data_wait"][1:])
+                report[f"tiny Shakespeare, {name}"] = {
+                    "first_step_s": measured["first_step_s"], "peak_rss_gib": measured["peak_rss_gib"],
+                    "later_steps_median_data_wait_share": round(later[len(later) // 2], 4) if later else None}
         if "startup" in parts:
             hf = ["data=hf_dataset", f"data.path={corpus}", f"data.tokenizer={tokenizer}", "objective=causal_lm",
                   "model=hf_causal_lm", "model.config.n_layer=2", "model.config.n_head=2", "model.config.n_embd=64",

@@ -39,7 +39,9 @@ from src.schema.signature import Arg
 
 LARGE = 1_000_000  # documents: above, the log points to scripts/prepare_data.py
 # File suffixes and the `datasets` builder that reads them.
-BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+# A .txt file is one document per line (datasets' text builder; empty lines tokenize to nothing and are skipped).
+BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow",
+            ".txt": "text"}
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,8 @@ class HFDataset(DataModule):
 
     def __init__(
         self,
-        path: Annotated[str, Arg("a Parquet, JSON Lines, CSV or Arrow file, a folder of them, a save_to_disk "
-                                 "folder, or a Hugging Face hub dataset id")],
+        path: Annotated[str, Arg("a Parquet, JSON Lines, CSV, Arrow or text (a line a document) file, a folder of "
+                                 "them, a save_to_disk folder, or a Hugging Face hub dataset id")],
         block_size: Annotated[int, Arg("tokens per sample: the longest document, or the packed block", ge=2)],
         text_column: Annotated[str, Arg("the column holding each document's text (with prompt_column: its "
                                         "completion)")] = "text",

@@ -52,8 +52,8 @@ class StreamData(DataModule):
 
     def __init__(
         self,
-        path: Annotated[str, Arg("a Parquet, JSON Lines, CSV or Arrow file, a folder of them, or a Hugging Face "
-                                 "hub dataset id, read as it trains")],
+        path: Annotated[str, Arg("a Parquet, JSON Lines, CSV, Arrow or text (a line a document) file, a folder of "
+                                 "them, or a Hugging Face hub dataset id, read as it trains")],
         block_size: Annotated[int, Arg("tokens per sample", ge=1)],
         text_column: Annotated[str, Arg("the column holding each document's text")] = "text",
         split: Annotated[str, Arg("the split to read (a file read directly is the split 'train')")] = "train",
