@@ -122,6 +122,19 @@ def loader_tokens_per_s(data, batches: int) -> dict:
             "batch_shape": list((first["input_ids"] if isinstance(first, dict) else first[0]).shape)}
 
 
+def prepare_timed(source: Path, out: Path, tokenizer: Path, workers: int) -> dict:
+    """scripts/prepare_data.py on `workers` workers (two tasks each), timed as a whole command."""
+    started = time.time()
+    run([sys.executable, "scripts/prepare_data.py", str(source), str(out), "--tokenizer", str(tokenizer),
+         "--workers", str(workers), "--tasks", str(2 * workers)])
+    seconds = time.time() - started
+    manifest = json.loads((out / "manifest.json").read_text())
+    tokens = sum(s["tokens"] for split in manifest["splits"].values() for s in split)
+    on_disk = sum(f.stat().st_size for f in out.iterdir() if f.name.endswith((".ds", ".ds.index")))
+    return {"tokens": tokens, "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds),
+            "bytes_per_token": round(on_disk / tokens, 2)}
+
+
 PARTS = ("tokenizer", "prepare", "tiny", "startup", "wait", "wait_gpt2", "loaders")
 
 
@@ -141,30 +154,14 @@ def data(args) -> dict:
         if "prepare" in parts:
             for workers in (1, 2):
                 out = tmp / f"prepared_{workers}"
-                started = time.time()
-                run([sys.executable, "scripts/prepare_data.py", str(corpus), str(out), "--tokenizer", str(tokenizer),
-                     "--workers", str(workers), "--tasks", str(2 * workers)])
-                seconds = time.time() - started
-                manifest = json.loads((out / "manifest.json").read_text())
-                tokens = sum(s["tokens"] for split in manifest["splits"].values() for s in split)
-                on_disk = sum(f.stat().st_size for f in out.iterdir() if f.name.endswith((".ds", ".ds.index")))
-                report[f"prepare, {workers} worker(s)"] = {"tokens": tokens, "seconds": round(seconds, 1),
-                                                           "tokens_per_s": round(tokens / seconds),
-                                                           "bytes_per_token": round(on_disk / tokens, 2)}
+                report[f"prepare, {workers} worker(s)"] = prepare_timed(corpus, out, tokenizer, workers)
                 if workers == 2:
                     shutil.rmtree(out)
         if "tiny" in parts:  # tiny Shakespeare, a line a document: the preparation's fixed costs, a small corpus
             tiny = ROOT / "data" / "tinyshakespeare.txt"
             for workers in (1, 2):
                 out = tmp / f"tiny_{workers}"
-                started = time.time()
-                run([sys.executable, "scripts/prepare_data.py", str(tiny), str(out), "--tokenizer", str(tokenizer),
-                     "--workers", str(workers), "--tasks", str(2 * workers)])
-                seconds = time.time() - started
-                manifest = json.loads((out / "manifest.json").read_text())
-                tokens = sum(s["tokens"] for split in manifest["splits"].values() for s in split)
-                report[f"prepare tiny Shakespeare, {workers} worker(s)"] = {
-                    "tokens": tokens, "seconds": round(seconds, 1), "tokens_per_s": round(tokens / seconds)}
+                report[f"prepare tiny Shakespeare, {workers} worker(s)"] = prepare_timed(tiny, out, tokenizer, workers)
             hf = ["data=hf_dataset", f"data.path={tiny}", f"data.tokenizer={tokenizer}", "objective=causal_lm",
                   "model=hf_causal_lm", "model.config.n_layer=2", "model.config.n_head=2", "model.config.n_embd=64",
                   "model.block_size=256", "data.packing=cross_document", "trainer.max_steps=20"]
