@@ -25,6 +25,7 @@ from safetensors.torch import load_model, save_file
 
 from src.checkpointing.streamed_export import (
     converts_weights,
+    export_name,
     gathered,
     lora_merged_entries,
     model_entries,
@@ -76,31 +77,27 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
 def export_streamed(accelerator, unwrapped: torch.nn.Module, tmp: Path) -> bool:
     """The export of sharded weights, each gathered, written and freed in turn; False (nothing written) where
     the model needs a whole state dict (weights transformers converts on save, adapters other than LoRA)."""
-    main, metadata = accelerator.is_main_process, {"format": "pt"}
+    main = accelerator.is_main_process
     if hasattr(unwrapped, "merge_and_unload"):  # peft: the adapter alone, and the model it adapts merged
         base = unwrapped.get_base_model()
-        entries = None if converts_weights(base) else lora_merged_entries(unwrapped, tied_copies(base))
+        entries = None if converts_weights(base) else lora_merged_entries(unwrapped, tied_copies(base, export_name))
         if entries is None:
             return False
         # The adapter's own weights are small: gathered whole, and written as peft writes them.
         adapter = {name: gathered(tensor)() for name, tensor in unwrapped.state_dict().items() if "lora_" in name}
         if main:
             unwrapped.save_pretrained(tmp / "adapter", state_dict=adapter)
-            base.save_pretrained(tmp, state_dict={})  # its config files, as the merged model's save writes them
-        write_safetensors(tmp / "model.safetensors", entries, main, metadata)
-        files = tokenizer_files(base)
-    elif hasattr(unwrapped, "save_pretrained"):  # a transformers model: also a Hugging Face folder
-        if converts_weights(unwrapped):
-            return False
-        if main:
-            unwrapped.save_pretrained(tmp, state_dict={})  # config.json, generation_config.json
-        write_safetensors(tmp / "model.safetensors", model_entries(unwrapped, tied_copies(unwrapped)), main, metadata)
-        files = tokenizer_files(unwrapped)
     else:
-        write_safetensors(tmp / "model.safetensors", model_entries(unwrapped, tied_copies(unwrapped)), main, metadata)
-        files = []
-    if main:
-        for file in files:
+        if hasattr(unwrapped, "save_pretrained") and converts_weights(unwrapped):
+            return False
+        base = unwrapped
+        entries = model_entries(unwrapped, tied_copies(unwrapped, export_name))
+    hugging_face = hasattr(base, "save_pretrained")  # a transformers model: also a Hugging Face folder
+    if main and hugging_face:
+        base.save_pretrained(tmp, state_dict={})  # config.json, generation_config.json, as its own save writes them
+    write_safetensors(tmp / "model.safetensors", entries, main, {"format": "pt"})
+    if main and hugging_face:
+        for file in tokenizer_files(base):
             shutil.copy2(file, tmp / file.name)
     return True
 
@@ -165,13 +162,8 @@ def whole_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Ten
 
 
 def without_tied_copies(state_dict: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """One entry per tied parameter (the GPT's lm_head is its token embedding): the name that model.state_dict()
-    lists first. Gathered shards are no longer one tensor, so the tie is read off the model, not the storage;
-    load_model ties them again on load."""
-    first_name, drop = {}, set()
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if first_name.setdefault(id(parameter), name) != name:
-            drop.add(name)
+    """One entry per tied parameter: the name that model.state_dict() lists first (streamed_export.tied_copies)."""
+    drop = tied_copies(model)
     return {name: tensor.contiguous() for name, tensor in state_dict.items() if name not in drop}
 
 

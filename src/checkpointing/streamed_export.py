@@ -108,15 +108,21 @@ def _merged(layer, adapter: str, weight: torch.Tensor, states: dict, name: str) 
     return whole
 
 
-def tied_copies(model: torch.nn.Module) -> set[str]:
-    """The names of tied parameters after the first (export.without_tied_copies' rule), as the export names them
-    (LoRA's base_layer folded away)."""
+def tied_copies(model: torch.nn.Module, rename: Callable[[str], str] = lambda name: name) -> set[str]:
+    """The names of tied parameters after the first (the GPT's lm_head is its token embedding): the copies a file
+    leaves out, by `rename` of the model's own names. Sharded or gathered, the tie is read off the model, not the
+    storage; load_model and from_pretrained tie them again on load."""
     first_name, drop = {}, set()
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        name = clean(name).replace(".base_layer.", ".")
+        name = rename(name)
         if first_name.setdefault(id(parameter), name) != name:
             drop.add(name)
     return drop
+
+
+def export_name(name: str) -> str:
+    """A parameter's name in the streamed export: wrappers' and LoRA's base_layer folded away."""
+    return clean(name).replace(".base_layer.", ".")
 
 
 def converts_weights(model: torch.nn.Module) -> bool:
