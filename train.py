@@ -72,6 +72,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         run.model, optimizer, train_loader, val_loader, scheduler
     )
     run.read_pretrained_slices(model)  # FSDP's sharded start of a pretrained folder: each rank reads its shard's part
+    run.objective.start(accelerator, model, run.data, run_dir, run.checkpoint)  # DPO: its reference model
     outlive_main(accelerator, model)  # multi-process: no gloo teardown in a destructor (src/launch/shutdown.py)
     ema = build_ema(accelerator, model, trainer.ema_decay)
     # Reports a rank where nothing progressed for trainer.hang_report_s; long work between steps reports progress.
@@ -101,7 +102,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         result = train_step(window, state.step)
         state.step += 1
         hang_watch.beat(state.step)
-        telemetry.step_finished(result.targets)
+        telemetry.step_finished(result.tokens)
         # Steps that log, evaluate or save read what the device decided: until then the host never waits for it.
         logging_step, evaluating = state.step % trainer.log_every == 0, evaluate.due(state.step)
         signalled = preemption.step_finished()  # the same on every rank

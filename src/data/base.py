@@ -21,6 +21,8 @@ from src.schema.signature import Arg
 if TYPE_CHECKING:
     from src.data.tokenizer import Codec
 
+IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)
+
 
 def readable_file(path: str, key: str) -> Path:
     """`path` as a file this process can read, or an error naming `key` and what is wrong with it."""

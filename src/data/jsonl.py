@@ -18,17 +18,18 @@ The bundled sample, data/shakespeare_speeches.jsonl, has one speech of tiny Shak
 import functools
 import json
 import logging
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import torch
 from torch.utils.data import Dataset
 
-from src.data.base import DataModule, model_size, readable_file
+from src.data import preference
+from src.data.base import IGNORE_INDEX, DataModule, model_size, readable_file
+from src.data.preference import LongPairs
 from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
 from src.schema.signature import Arg
 
-IGNORE_INDEX = -100  # the label the objectives skip (torch's and transformers' convention)
 # How documents become samples (tokenized_documents); part of data=hf_dataset's cache key, so a change of the rule
 # never reuses samples an earlier rule made.
 TOKENIZATION_RULE = "2: prompt and completion tokenized together (TRL); documents without tokens skipped"
@@ -150,24 +151,27 @@ class JsonlData(DataModule):
                                             ] = "byte",
         tokenizer_revision: Annotated[Optional[str], Arg(REVISION)] = None,
         val_fraction: Annotated[float, Arg("the last documents, as a fraction, validate", gt=0, lt=1)] = 0.1,
+        preference: Annotated[bool, Arg(
+            "each line is a preference pair in TRL's format: chosen, rejected and prompt (or a prompt implicit in "
+            "their shared start), strings or conversations, for objective=dpo/simpo/orpo (src/data/preference.py)"
+            )] = False,
+        long_pairs: Annotated[LongPairs, Arg("with preference: a pair longer than block_size is truncated (the "
+                                             "prompt first) or dropped")] = "truncate",
         **loader,
     ):
         super().__init__(**loader)
         file = readable_file(path, "data.path")
         self.source_files = {file.name: file}
+        if preference:
+            self._read_pairs(file, block_size, tokenizer, tokenizer_revision, val_fraction, long_pairs)
+            return
         texts, prompts = [], []
-        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{file}:{number}: not a JSON object ({error.msg}, "
-                                     f"column {error.colno})") from None
-                for key, name in ((text_key, "data.text_key"), (prompt_key, "data.prompt_key")):
-                    if key is not None and key not in record:
-                        raise ValueError(f"{file}:{number}: no {key!r} key ({name}); keys: {sorted(record)}")
-                texts.append(record[text_key])
-                prompts.append(record[prompt_key] if prompt_key else None)
+        for number, record in _records(file):
+            for key, name in ((text_key, "data.text_key"), (prompt_key, "data.prompt_key")):
+                if key is not None and key not in record:
+                    raise ValueError(f"{file}:{number}: no {key!r} key ({name}); keys: {sorted(record)}")
+            texts.append(record[text_key])
+            prompts.append(record[prompt_key] if prompt_key else None)
         # Padding is id 0 (pad_right); a character vocabulary is that of the strings (messages need a tokenizer).
         self.codec = codec_for(tokenizer, [t for t in texts + prompts if isinstance(t, str)],
                                revision=tokenizer_revision)
@@ -181,6 +185,37 @@ class JsonlData(DataModule):
         self.val = Documents(documents[-n_val:], block_size, labels and labels[-n_val:])
         self.collate_fn = functools.partial(pad_right, pad_id=0)
 
+    def _read_pairs(self, file, block_size: int, tokenizer: Optional[str], revision: Optional[str],
+                    val_fraction: float, long_pairs: LongPairs) -> None:
+        rows = list(_records(file))
+        for number, record in rows:
+            preference.missing_columns(record, f"{file}:{number}")
+        columns = {key: [record.get(key) for _, record in rows] for key in ("prompt", *preference.COLUMNS)}
+        if all(prompt is None for prompt in columns["prompt"]):
+            del columns["prompt"]
+        self.codec = codec_for(tokenizer, [t for ts in columns.values() for t in ts if isinstance(t, str)],
+                               revision=revision)
+        pairs, counts = preference.tokenized_pairs(self.codec, columns, block_size, long_pairs)
+        preference.report(counts, len(pairs["chosen_ids"]), block_size, str(file))
+        n = len(pairs["chosen_ids"])
+        n_val = max(1, int(n * val_fraction))
+        if n - n_val < 1:
+            raise ValueError(f"{file} has {n} preference pairs: too few to train and validate")
+        split = {key: (ids[:-n_val], ids[-n_val:]) for key, ids in pairs.items()}
+        self.train = preference.Pairs({key: ids[0] for key, ids in split.items()})
+        self.val = preference.Pairs({key: ids[1] for key, ids in split.items()}, first_index=n - n_val)
+        self.collate_fn = preference.collate_pairs
+
     @model_size
     def vocab_size(self) -> int:
         return self.codec.vocab_size
+
+
+def _records(file) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-empty line."""
+    for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{file}:{number}: not a JSON object ({error.msg}, column {error.colno})") from None

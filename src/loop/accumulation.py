@@ -104,14 +104,21 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
         state.samples_into_epoch = 0
 
 
-def global_target_count(accelerator: Accelerator, objective: Objective, window_targets: list) -> torch.Tensor:
-    """How many targets the whole global batch of this optimizer step counts, on every rank."""
-    local = sum(objective.count(targets) for targets in window_targets)
-    local = torch.as_tensor(local, device=accelerator.device).float()
-    return accelerator.reduce(local, "sum") if accelerator.num_processes > 1 else local
+def global_target_count(accelerator: Accelerator, objective: Objective, window_targets: list
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many targets the whole global batch of this optimizer step counts (one count per term of the loss),
+    and how many tokens throughput counts of it, on every rank (one all-reduce)."""
+    counts = sum(torch.as_tensor(objective.count(t), device=accelerator.device).float() for t in window_targets)
+    tokens = sum(torch.as_tensor(objective.throughput_count(t), device=accelerator.device).float()
+                 for t in window_targets)
+    both = torch.cat([counts.reshape(-1), tokens.reshape(1)])
+    if accelerator.num_processes > 1:
+        both = accelerator.reduce(both, "sum")
+    return both[:-1].reshape(counts.shape), both[-1]
 
 
 def loss_for_backward(accelerator: Accelerator, loss_sum: torch.Tensor, global_count: torch.Tensor) -> torch.Tensor:
-    """This micro-batch's share of the step's loss, pre-multiplied by what backward and DDP divide by."""
+    """This micro-batch's share of the step's loss, pre-multiplied by what backward and DDP divide by (a loss of
+    several terms: each over its own count, src/objectives/base.py's model_loss_sum)."""
     scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
-    return loss_sum * scale / global_count.clamp(min=1)  # a window of only ignored targets adds no gradient
+    return (loss_sum * scale / global_count.clamp(min=1)).sum()  # a window of only ignored targets adds no gradient

@@ -19,7 +19,7 @@ from accelerate.utils import release_memory, send_to_device
 from accelerate.utils.memory import should_reduce_batch_size
 
 from src.errors import UsageError
-from src.loop.batches import call_model, split_batch
+from src.loop.batches import split_batch
 from src.objectives.base import Objective
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,10 @@ def find_micro_batch(accelerator: Accelerator, model: torch.nn.Module, objective
                          f"{accelerator.distributed_type} shards it: the probe would measure another layout. Give "
                          "data.batch_size and trainer.gradient_accumulation_steps by hand, with "
                          "trainer.auto_micro_batch=false")
+    if getattr(objective, "reference_kind", None) is not None:
+        raise UsageError("trainer.auto_micro_batch does not probe objective=dpo's reference model, whose memory "
+                         "depends on objective.reference: give data.batch_size and "
+                         "trainer.gradient_accumulation_steps by hand, with trainer.auto_micro_batch=false")
     candidates = [b for b in range(per_process_samples, 0, -1) if per_process_samples % b == 0]
     saved_state, saved_rng = copy.deepcopy(model.state_dict()), torch.random.get_rng_state()
     saved_cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
@@ -51,8 +55,8 @@ def find_micro_batch(accelerator: Accelerator, model: torch.nn.Module, objective
         try:
             inputs, targets = split_batch(batch, objective.target_key)
             with accelerator.autocast():
-                loss = objective.loss_sum(call_model(model, inputs), targets)
-            loss.backward()
+                loss = objective.model_loss_sum(model, inputs, targets)
+            loss.sum().backward()
             chosen = size
         except Exception as error:  # noqa: BLE001 (only out-of-memory errors are swallowed)
             if not is_out_of_memory(error):

@@ -36,8 +36,8 @@ def evaluate(model: torch.nn.Module, loader, accelerator: Accelerator, forward: 
         samples += len(next(iter(per_sample.values()))[0])
     model.train(was_training)
     # A metric with nothing to average over (e.g. every target ignored) is NaN, not a flattering 0.
-    return {**{name: sums[name] / weights[name] if weights[name] else float("nan") for name in sums},
-            "samples": samples}
+    averages = {name: sums[name] / weights[name] if weights[name] else float("nan") for name in sums}
+    return {**forward.objective.completed_metrics(averages), "samples": samples}
 
 
 def evaluate_run(model: torch.nn.Module, ema, loader, accelerator: Accelerator, forward: Forward,

@@ -43,6 +43,7 @@ class Forward:
         if self._chunking_unchecked:
             check_the_model_keeps_its_logits(model, inputs, targets, self.objective)
             self._chunking_unchecked = False
+        inputs = self.objective.with_reference(model, inputs, targets)  # a reference model's pass: not compiled
         try:
             with output_layer_loss(model, self.objective, targets) if self.chunked else contextlib.nullcontext():
                 return self._train_step(model, inputs, targets)
@@ -50,20 +51,21 @@ class Forward:
             raise unused_parameters(error, model) or error
 
     def _loss_sum(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        output = call_model(model, inputs)
-        return output if self.chunked else self.objective.loss_sum(output, targets)  # chunked: already the loss
+        if not self.chunked:
+            return self.objective.model_loss_sum(model, inputs, targets)
+        return call_model(model, inputs)  # chunked: the output layer gave the loss
 
     def _metrics(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> dict:
-        output = call_model(model, inputs)
         if self.chunked:  # per-token (loss, likeliest is the target) from the output layer, chunk by chunk
-            return self.objective.metrics_of_token_scores(output, targets)
-        return self.objective.metrics(output, targets)
+            return self.objective.metrics_of_token_scores(call_model(model, inputs), targets)
+        return self.objective.model_metrics(model, inputs, targets)
 
     def metrics(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> dict:
         """The objective's per-sample metrics of one evaluation batch."""
         if self._chunking_unchecked:  # an evaluation before the first step (trainer.eval_on_start)
             check_the_model_keeps_its_logits(model, inputs, targets, self.objective)
             self._chunking_unchecked = False
+        inputs = self.objective.with_reference(model, inputs, targets)
         with output_layer_loss(model, self.objective, targets, per_token=True) if self.chunked \
                 else contextlib.nullcontext():
             if self._compiled_metrics is None:

@@ -24,8 +24,10 @@ from src.objectives.base import Objective
 class StepResult:
     loss_sum: torch.Tensor  # this rank's summed loss over its counted targets (on the device)
     targets: torch.Tensor  # the global batch's count of targets, the same on every rank (on the device)
+    tokens: torch.Tensor  # the global batch's tokens, as throughput counts them (Objective.throughput_count)
     grad_norm: torch.Tensor  # before clipping
     applied: bool  # False where the host already knows the step was skipped (trainer.nonfinite=skip)
+    metrics: dict  # what else the objective reports of training: this rank's sums (src/objectives/base.py)
 
 
 class TrainStep:
@@ -44,7 +46,7 @@ class TrainStep:
         """Optimizer step `step` + 1 over `window`, a list of gradient_accumulation_steps micro-batches."""
         accelerator, model, optimizer = self.accelerator, self.model, self.optimizer
         window = [split_batch(batch, self.objective.target_key) for batch in window]  # (inputs, targets) pairs
-        targets = global_target_count(accelerator, self.objective, [t for _, t in window])
+        targets, tokens = global_target_count(accelerator, self.objective, [t for _, t in window])
         loss_sum, applied = 0.0, True
         if accelerator.scaler is not None and self.scale is None:
             self.scale = accelerator.scaler.get_scale()  # fp16: the scale the first step starts from
@@ -57,7 +59,7 @@ class TrainStep:
                 loss_sum += micro_loss.detach()
                 if accelerator.sync_gradients:
                     grad_norm = plain(accelerator.clip_grad_norm_(model.parameters(), self.max_grad_norm))
-                    applied = self.guard.step_is_finite(step + 1, loss_sum, grad_norm)
+                    applied = self.guard.step_is_finite(step + 1, loss_sum.sum(), grad_norm)
                 if applied:
                     optimizer.step()  # a no-op until the accumulation window is complete
                 optimizer.zero_grad(set_to_none=True)
@@ -65,7 +67,7 @@ class TrainStep:
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.update_parameters(accelerator.unwrap_model(model))
-        return StepResult(loss_sum, targets, grad_norm, applied)
+        return StepResult(loss_sum, targets, tokens, grad_norm, applied, self.objective.training_metrics())
 
     def _scaler_skipped(self) -> bool:
         """fp16: whether the GradScaler skipped the step just taken (its gradients overflowed). Not accelerate's
@@ -85,8 +87,11 @@ class TrainStep:
 
     def scalars(self, result: StepResult) -> dict[str, float]:
         """What a logging step reports of the step (every rank calls it: the loss is reduced over ranks)."""
-        loss = self.accelerator.reduce(result.loss_sum, "sum") / result.targets.clamp(min=1)
-        scalars = {"train/loss": loss.item(), "train/lr": self.scheduler.get_last_lr()[0],
+        loss = (self.accelerator.reduce(result.loss_sum, "sum") / result.targets.clamp(min=1)).sum()
+        samples = result.targets.reshape(-1)[0].clamp(min=1)  # an objective's first count: its samples (pairs)
+        scalars = {f"train/{name}": (self.accelerator.reduce(value, "sum") / samples).item()
+                   for name, value in result.metrics.items()}
+        scalars |= {"train/loss": loss.item(), "train/lr": self.scheduler.get_last_lr()[0],
                    "train/grad_norm": result.grad_norm.item(), "train/skipped_steps": self.guard.skipped}
         if self.accelerator.scaler is not None:  # fp16: a falling scale marks the steps the GradScaler skipped
             scalars["train/loss_scale"] = self.accelerator.scaler.get_scale()

@@ -10,10 +10,11 @@ Your own objective: subclass `Objective`, implement the three methods, and point
 (`config/objective/NAME.yaml` with `_target_: your.module.YourObjective`). No other file changes.
 """
 
-from typing import Annotated, ClassVar, Mapping
+from typing import Annotated, Any, ClassVar, Mapping
 
 import torch
 
+from src.loop.batches import call_model
 from src.schema.signature import Arg
 
 PerSample = tuple[torch.Tensor, torch.Tensor]  # (sum of a metric per sample, what it averages over per sample)
@@ -33,6 +34,11 @@ class Objective:
         """How many targets `loss_sum` sums over (a scalar tensor; known before the forward pass)."""
         raise NotImplementedError
 
+    def throughput_count(self, targets: torch.Tensor) -> torch.Tensor:
+        """The tokens (or samples) train/tokens_per_second and MFU count: the targets, unless the loss counts
+        something else (pairs)."""
+        return self.count(targets)
+
     def loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The training loss summed over the counted targets of this micro-batch (a scalar tensor)."""
         raise NotImplementedError
@@ -44,3 +50,32 @@ class Objective:
 
     def check_batch(self, inputs: Mapping, targets: torch.Tensor) -> None:
         """Called on the first training batch: stop on a batch this objective would silently mis-train on."""
+
+    # An objective that needs more of the model than its logits of one batch (a reference model's, several terms)
+    # overrides these; the others have nothing to change. src/objectives/preference.py is the example.
+
+    def model_loss_sum(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """The forward pass and loss_sum. May return one sum per term of the loss, as count() counts them: the
+        loss is then the sum of each term's sum over its own count (the first count is what throughput counts)."""
+        return self.loss_sum(call_model(model, inputs), targets)
+
+    def model_metrics(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> dict[str, PerSample]:
+        return self.metrics(call_model(model, inputs), targets)
+
+    def completed_metrics(self, averages: dict[str, float]) -> dict[str, float]:
+        """Evaluation's averages, with what is computed from several of them (a loss of terms with their own
+        counts)."""
+        return averages
+
+    def start(self, accelerator, model: torch.nn.Module, data, run_dir, checkpoint) -> None:
+        """Called once the model is prepared, before a resume loads `checkpoint` (None: a fresh run): the model as
+        it starts."""
+
+    def with_reference(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> Any:
+        """The inputs with what is computed outside the (compiled) step: a reference model's numbers."""
+        return inputs
+
+    def training_metrics(self) -> dict[str, torch.Tensor]:
+        """name -> this rank's sum over the samples trained on since the last call, for metrics besides the loss
+        that training reports (averaged over the samples of those steps' global batches)."""
+        return {}

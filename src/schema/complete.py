@@ -120,6 +120,12 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
         problems.append(f"data={chosen_option(cfg, 'data')} gives targets equal to the inputs (Hugging Face's labels "
                         f"convention), which objective={chosen_option(cfg, 'objective')} does not shift: the model would "
                         "learn to copy its input. Use objective=causal_lm.")
+    pairs, on_pairs = bool(cfg.data.get("preference")), getattr(objective_cls, "trains_on_pairs", False)
+    if pairs != on_pairs:
+        problems.append(f"data.preference={str(pairs).lower()} with objective={chosen_option(cfg, 'objective')}: "
+                        + ("preference pairs train objective=dpo, simpo or orpo" if pairs else
+                           "this objective trains on preference pairs: data=jsonl or data=hf_dataset with "
+                           "data.preference=true"))
     if cfg.optimizer.scale_lr != "none" and cfg.optimizer.reference_batch is None:
         problems.append(f"optimizer.scale_lr={cfg.optimizer.scale_lr} needs optimizer.reference_batch: the global batch "
                         "(samples per optimizer step) optimizer.lr was tuned for")

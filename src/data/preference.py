@@ -1,0 +1,172 @@
+"""Preference pairs: a prompt, a chosen and a rejected answer, in TRL's formats, as samples and batches for the
+preference objectives (src/objectives/preference.py).
+
+A row holds `chosen` and `rejected`, either strings or conversations (lists of {role, content} messages), and
+`prompt` (of the same kind), or no prompt: then the prompt is the shared start of `chosen` and `rejected` (TRL's
+extract_prompt: the messages they share, or the characters). Each pair is tokenized as TRL's DPOTrainer does:
+the prompt alone, and the prompt with each answer as one text (a string ending in the tokenizer's end-of-text
+token where it has one; a conversation rendered by the chat template); each answer is what follows the tokens the
+prompt shares with both. A pair longer than `block_size` (its prompt and its longer answer) is truncated, the
+prompt first (it keeps its last tokens, at least one), then the answers (they keep their first tokens), or
+dropped (`long_pairs`); the log counts them.
+
+A batch of B pairs is TRL's concatenated form, so that both answers go through the model in one forward pass:
+
+    {"input_ids": (2B, T), "attention_mask": (2B, T), "labels": (2B, T), "pair_index": (B,)}
+
+the B chosen rows first, then the B rejected rows in the same order; labels are the answer's tokens (-100 on the
+prompt and the padding; shifted by the objective). `pair_index` names each pair (validation pairs after the
+training ones), which is how reference log-probabilities computed before training find their pair.
+"""
+
+import logging
+from typing import Literal, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from src.data.base import IGNORE_INDEX
+from src.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("chosen", "rejected")  # and `prompt`, unless it is implicit
+# How pairs become samples; part of data=hf_dataset's cache key, so a change of the rule never reuses old samples.
+PAIR_RULE = "1: TRL's DPOTrainer (prompt and answer tokenized together, the answer after the shared prefix)"
+LongPairs = Literal["truncate", "drop"]
+
+
+def missing_columns(columns, where: str) -> None:
+    """Refuses rows without the columns a pair needs, naming them."""
+    missing = [c for c in COLUMNS if c not in columns]
+    if missing:
+        raise UsageError(f"{where}: preference pairs (data.preference=true) need the columns {', '.join(COLUMNS)} "
+                         f"(and prompt, or a prompt shared by both); missing {', '.join(missing)}; found "
+                         f"{', '.join(sorted(columns)) or 'none'}")
+
+
+def implicit_prompt(chosen, rejected) -> tuple:
+    """TRL's extract_prompt: the longest shared start of `chosen` and `rejected` (messages, or characters, a space
+    before the difference going to the answers) as the prompt, and what follows it in each."""
+    index = 0
+    for index in range(min(len(chosen), len(rejected))):
+        if chosen[index] != rejected[index]:
+            if chosen[index - 1] == " ":
+                index -= 1
+            break
+    return chosen[:index], chosen[index:], rejected[index:]
+
+
+def tokenized_pair(codec, prompt, chosen, rejected) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, chosen ids, rejected ids) by TRL's rule (DPOTrainer's tokenize_fn)."""
+    if prompt is None:
+        prompt, chosen, rejected = implicit_prompt(chosen, rejected)
+    if isinstance(chosen, list):
+        if codec.chat is None:
+            raise UsageError("data: preference pairs given as messages need a tokenizer with a chat template "
+                             "(tokenizer_config.json's chat_template); data.tokenizer names one without")
+        prompt = list(prompt or [])
+        texts = [codec.chat(prompt, add_generation_prompt=True), codec.chat(prompt + list(chosen)),
+                 codec.chat(prompt + list(rejected))]
+        prompt_ids, with_chosen, with_rejected = (codec.encode(text, False) for text in texts)
+    else:
+        end = codec.end_of_text
+        prompt_ids = codec.encode(prompt or "")
+        with_chosen, with_rejected = codec.encode((prompt or "") + chosen), codec.encode((prompt or "") + rejected)
+        for ids in (with_chosen, with_rejected):
+            if end is not None and ids[-1:] != [end]:
+                ids.append(end)
+    # The answers start where the prompt alone stops agreeing with the prompt followed by them (a template may
+    # render the prompt differently alone; tokens may merge across the boundary).
+    shared = min(_common_prefix(prompt_ids, with_chosen), _common_prefix(prompt_ids, with_rejected))
+    return prompt_ids[:shared], with_chosen[shared:], with_rejected[shared:]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def fitted(pair: tuple[list[int], list[int], list[int]], block_size: int, long_pairs: LongPairs
+           ) -> Optional[tuple[list[int], list[int], list[int]]]:
+    """The pair within block_size tokens (its prompt and its longer answer), or None where it is dropped."""
+    prompt, chosen, rejected = pair
+    if len(prompt) + max(len(chosen), len(rejected)) <= block_size:
+        return pair
+    if long_pairs == "drop":
+        return None
+    kept = min(len(prompt), max(block_size - max(len(chosen), len(rejected)), 1))
+    prompt = prompt[len(prompt) - kept:]
+    room = block_size - len(prompt)
+    return prompt, chosen[:room], rejected[:room]
+
+
+def tokenized_pairs(codec, rows: dict, block_size: int, long_pairs: LongPairs) -> tuple[dict, dict]:
+    """Columns prompt_ids / chosen_ids / rejected_ids of the rows' pairs, and how many were truncated and dropped
+    (a pair whose answers have no token is dropped too: it has nothing to compare)."""
+    out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": []}
+    counts = {"truncated": 0, "dropped": 0, "empty": 0}
+    prompts = rows.get("prompt") or [None] * len(rows["chosen"])
+    for prompt, chosen, rejected in zip(prompts, rows["chosen"], rows["rejected"]):
+        pair = tokenized_pair(codec, prompt, chosen, rejected)
+        if not pair[1] or not pair[2]:
+            counts["empty"] += 1
+            continue
+        kept = fitted(pair, block_size, long_pairs)
+        if kept is None:
+            counts["dropped"] += 1
+            continue
+        counts["truncated"] += kept is not pair
+        for key, ids in zip(out, kept):
+            out[key].append(ids)
+    return out, counts
+
+
+def report(counts: dict, pairs: int, block_size: int, where: str) -> None:
+    said = []
+    if counts["truncated"]:
+        said.append(f"{counts['truncated']} truncated to data.block_size={block_size} (the prompt first)")
+    if counts["dropped"]:
+        said.append(f"{counts['dropped']} longer than data.block_size={block_size} dropped (data.long_pairs=drop)")
+    if counts["empty"]:
+        said.append(f"{counts['empty']} without an answer token dropped")
+    if said:
+        log.warning("%s: %d preference pairs kept; %s", where, pairs, "; ".join(said))
+
+
+class Pairs(Dataset):
+    """Tokenized pairs (lists, or a `datasets.Dataset` with those columns) as samples; `first_index` numbers them
+    (validation pairs follow the training ones)."""
+
+    def __init__(self, columns, first_index: int = 0):
+        self.columns, self.first_index = columns, first_index
+
+    def __len__(self) -> int:
+        return len(self.columns["chosen_ids"])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.columns[i] if not isinstance(self.columns, dict) else {k: v[i] for k, v in self.columns.items()}
+        return {"prompt_ids": torch.as_tensor(row["prompt_ids"], dtype=torch.long),
+                "chosen_ids": torch.as_tensor(row["chosen_ids"], dtype=torch.long),
+                "rejected_ids": torch.as_tensor(row["rejected_ids"], dtype=torch.long),
+                "pair_index": torch.tensor(self.first_index + i)}
+
+
+def collate_pairs(samples: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """B pairs as 2B rows, chosen then rejected, padded on the right (TRL's DataCollatorForPreference)."""
+    rows = [(s["prompt_ids"], s[answer]) for answer in ("chosen_ids", "rejected_ids") for s in samples]
+    length = max(len(prompt) + len(answer) for prompt, answer in rows)
+    batch = {"input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
+             "attention_mask": torch.zeros((len(rows), length), dtype=torch.long),
+             "labels": torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)}
+    for row, (prompt, answer) in enumerate(rows):
+        p, n = len(prompt), len(prompt) + len(answer)
+        batch["input_ids"][row, :p], batch["input_ids"][row, p:n] = prompt, answer
+        batch["attention_mask"][row, :n] = 1
+        batch["labels"][row, p:n] = answer
+    batch["pair_index"] = torch.stack([s["pair_index"] for s in samples])
+    return batch

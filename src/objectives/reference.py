@@ -1,0 +1,152 @@
+"""DPO's reference model: what the policy's log-probabilities are compared with (objective.reference; the choice is
+explained in src/objectives/preference.py).
+
+Each gives, for a batch of pairs (2B rows), the reference's answer log-probability per row, without gradients.
+"""
+
+import contextlib
+import copy
+import logging
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+from src.checkpointing.training_state import sharded as is_sharded
+from src.errors import UsageError
+from src.loop.batches import call_model, split_batch
+from src.objectives.preference import NOT_MODEL_INPUTS, REFERENCE_FILE, answer_logps
+
+log = logging.getLogger(__name__)
+
+
+class Reference:
+    @staticmethod
+    def build(kind: str, accelerator: Accelerator, model: torch.nn.Module, data, run_dir: Path,
+              checkpoint: Optional[Path], ignore_index: int) -> "Reference":
+        """The reference `kind` names (auto: the cheapest that is exact here), from the model as it starts: call it
+        before a resume loads the checkpoint's weights."""
+        inner = accelerator.unwrap_model(model)
+        has_adapter = hasattr(inner, "disable_adapter") and hasattr(inner, "peft_config")
+        sharded = is_sharded(accelerator)
+        if kind == "auto":
+            kind = "adapter" if has_adapter else "precomputed" if sharded else "copy"
+        if kind == "adapter":
+            if not has_adapter:
+                raise UsageError("objective.reference=adapter needs a model with a LoRA adapter (model.peft): its "
+                                 "base, with the adapter switched off, is the reference; use reference=copy or "
+                                 "precomputed")
+            return AdapterOff(ignore_index)
+        if kind == "copy":
+            if sharded:
+                raise UsageError("objective.reference=copy under FSDP would hold the whole model on every rank: use "
+                                 "objective.reference=precomputed, or a LoRA adapter (reference=adapter)")
+            return FrozenCopy(accelerator, inner, ignore_index)
+        return Precomputed.load_or_compute(accelerator, model, data, run_dir, checkpoint, ignore_index)
+
+    def __call__(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def evaluating(module: torch.nn.Module):
+    """No dropout and no gradients, and the module's mode back afterwards."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        module.train(was_training)
+
+
+def model_inputs(inputs: Mapping) -> dict:
+    return {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}
+
+
+class AdapterOff(Reference):
+    """The model itself with its adapter switched off: the base weights, with no copy (TRL's default with peft)."""
+
+    def __init__(self, ignore_index: int):
+        self.ignore_index = ignore_index
+
+    def __call__(self, model, inputs, targets):
+        inner = getattr(model, "module", model)  # DDP's wrapper; FSDP2 and a bare model are the module itself
+        with evaluating(model), inner.disable_adapter():
+            return answer_logps(call_model(model, model_inputs(inputs)), targets, self.ignore_index)[0]
+
+
+class FrozenCopy(Reference):
+    """A frozen copy of the starting weights on this process (TRL's ref_model)."""
+
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, ignore_index: int):
+        self.accelerator, self.ignore_index = accelerator, ignore_index
+        self.model = copy.deepcopy(model).requires_grad_(False).eval()
+
+    def __call__(self, model, inputs, targets):
+        with torch.no_grad(), self.accelerator.autocast():  # the policy's precision; the copy was not prepared
+            return answer_logps(call_model(self.model, model_inputs(inputs)), targets, self.ignore_index)[0]
+
+
+class Precomputed(Reference):
+    """The starting model's log-probabilities of every pair, chosen and rejected, computed once and kept with the
+    run: a table of (pairs, 2) read by each batch's pair_index."""
+
+    def __init__(self, table: torch.Tensor, device: torch.device):
+        self.table = table.to(device)
+
+    def __call__(self, model, inputs, targets):
+        return self.table[inputs["pair_index"]].T.reshape(-1)  # chosen rows, then rejected rows
+
+    @classmethod
+    def load_or_compute(cls, accelerator: Accelerator, model, data, run_dir: Path, checkpoint: Optional[Path],
+                        ignore_index: int) -> "Precomputed":
+        """A resume reads the table its run computed (beside the checkpoints: run_dir/checkpoints/step_N); a fresh
+        run computes it, and rank 0 writes it into the run dir."""
+        from safetensors.torch import load_file
+
+        file = run_dir / REFERENCE_FILE
+        pairs = data.val.first_index + len(data.val)  # the training pairs are numbered first
+        kept = checkpoint.parent.parent / REFERENCE_FILE if checkpoint is not None else None
+        if kept is not None and kept.is_file():
+            table = load_file(kept)["reference_logps"]
+            if table.shape != (pairs, 2):
+                raise UsageError(f"{kept}: reference log-probabilities of {table.shape[0]} pairs, but the data has "
+                                 f"{pairs}: the run's data changed")
+            log.info("objective.reference=precomputed: read %s", kept)
+        else:
+            if kept is not None:
+                log.warning("objective.reference=precomputed: %s is missing, so the starting model's "
+                            "log-probabilities are computed again (on this layout)", kept)
+            table = cls.compute(accelerator, model, data, pairs, ignore_index)
+        if accelerator.is_main_process and not (file.is_file() and kept == file):
+            from safetensors.torch import save_file
+
+            partial = file.with_suffix(".partial")
+            save_file({"reference_logps": table.contiguous()}, partial)
+            partial.replace(file)  # atomic: a killed run leaves the old file or the new one
+        accelerator.wait_for_everyone()
+        return cls(table, accelerator.device)
+
+    @staticmethod
+    def compute(accelerator: Accelerator, model, data, pairs: int, ignore_index: int) -> torch.Tensor:
+        """One forward pass of the starting model over the training and validation pairs, split over the
+        processes; every process ends with the whole table."""
+        table = torch.full((pairs, 2), float("nan"))
+        for dataset in (data.train, data.val):
+            loader = accelerator.prepare_data_loader(
+                DataLoader(dataset, batch_size=data.eval_batch_size, collate_fn=data.collate_fn), device_placement=True)
+            for batch in loader:
+                inputs, targets = split_batch(batch, "labels")
+                with evaluating(model):
+                    logps = answer_logps(call_model(model, model_inputs(inputs)), targets, ignore_index)[0]
+                index, logps = accelerator.gather_for_metrics((inputs["pair_index"], logps.float().view(2, -1).T))
+                table[index.cpu()] = logps.cpu()
+        computed = int((~table.isnan().any(1)).sum())
+        if computed != len(data.train) + len(data.val):
+            raise RuntimeError(f"reference log-probabilities computed for {computed} pairs of "
+                               f"{len(data.train) + len(data.val)}")
+        log.info("objective.reference=precomputed: the starting model's log-probabilities of %d pairs", computed)
+        return table
