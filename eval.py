@@ -27,6 +27,7 @@ from src.launch.shutdown import run_then_release, shut_down
 from src.loop.evaluation import evaluate
 from src.loop.forward import Forward
 from src.models.hub import fetch_from_hub
+from src.objectives.reference import for_evaluation as reference_for_evaluation
 from src.schema.trusted import trusted_by
 
 log = logging.getLogger("eval")
@@ -54,6 +55,8 @@ def main(cfg: DictConfig) -> None:
     model = accelerator.prepare_model(model, evaluation_mode=True)
     val_loader = accelerator.prepare_data_loader(data.val_dataloader(cfg.eval_batches))
 
+    if getattr(objective, "reference_kind", None):  # objective=dpo: the run's reference model
+        objective.reference = reference_for_evaluation(accelerator, run_cfg, source, objective.ignore_index)
     forward = Forward(objective, compile=False)
     metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, forward).items()}
     if accelerator.is_main_process:

@@ -18,6 +18,7 @@ completion (instruction tuning, as `data=jsonl`'s `prompt_key`): only the comple
 is a named split (`val_split`) or the last `val_fraction` of the documents.
 """
 
+import collections
 import functools
 import hashlib
 import logging
@@ -28,9 +29,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 import torch
 from torch.utils.data import Dataset
 
+from src.data import preference
 from src.data.base import DataModule, model_size
 from src.data.jsonl import TOKENIZATION_RULE, pad_right, tokenized_documents, warn_untrained
 from src.data.packing import cross_document_blocks, packed_documents, packing_summary, pad_packed
+from src.data.preference import LongPairs
 from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
 from src.launch.first_per_machine import local_main_first
@@ -100,6 +103,12 @@ class HFDataset(DataModule):
                                              "from the document before it (label -100)")] = False,
         num_proc: Annotated[Optional[int], Arg(
             "processes that tokenize (null: one per 10,000 documents, up to this machine's CPUs)", ge=1)] = None,
+        preference: Annotated[bool, Arg(
+            "each row is a preference pair in TRL's format: chosen, rejected and prompt (or a prompt implicit in "
+            "their shared start), strings or conversations, for objective=dpo/simpo/orpo (src/data/preference.py)"
+            )] = False,
+        long_pairs: Annotated[LongPairs, Arg("with preference: a pair longer than block_size is truncated (the "
+                                             "prompt first) or dropped")] = "truncate",
         **loader,
     ):
         super().__init__(**loader)
@@ -113,6 +122,9 @@ class HFDataset(DataModule):
         if long_documents == "split" and packing is not True:
             raise UsageError("data.long_documents=split is for data.packing=true (unpacked documents are truncated "
                              "to block_size; cross_document packing cuts every document at block edges)")
+        if preference and packing:
+            raise UsageError("data.packing is for documents; preference pairs (data.preference=true) are padded, "
+                             "each pair's answers side by side")
         self.attends_per_document = packing is True  # the model must read documents from position_ids
         self.codec = codec_for(tokenizer, revision=tokenizer_revision)
         # One process per machine loads (datasets converts files to Arrow) and maps, on num_proc processes,
@@ -120,14 +132,18 @@ class HFDataset(DataModule):
         with local_main_first():
             # A hub id: its data files, fetched into the Hugging Face cache by this machine's first process.
             source = dataset_path(path, subset, refresh=PartialState().is_local_main_process)
-            train, val = self._documents(source, path, split, val_split, val_fraction, text_column, subset,
-                                         prompt_column)
+            train, val = self._documents(source, path, split, val_split, val_fraction,
+                                         None if preference else text_column, subset, prompt_column)
             if len(train) > LARGE and PartialState().is_local_main_process:
                 log.info("data.path=%s: %d documents, tokenized by this run's first process on each machine (and "
                          "cached for the next runs); a corpus of this size is better tokenized once, on many "
                          "processes or nodes: python scripts/prepare_data.py %s OUT, then data=shards "
                          "data.path=OUT", path, len(train), path)
             workers = num_proc or min(len(os.sched_getaffinity(0)), 1 + len(train) // 10_000)
+            if preference:
+                self._read_pairs(train, val, path, block_size, long_pairs, workers)
+                self.source_files = _source_files(source)
+                return
             train, val = (self._tokenized(d, text_column, prompt_column, block_size, packing, mask_boundaries,
                                           long_documents == "split", workers) for d in (train, val))
         if prompt_column and not packing:  # a sample of the data says enough, at a bounded cost
@@ -202,6 +218,44 @@ class HFDataset(DataModule):
         return tokenized.map(pack, batched=True, remove_columns=tokenized.column_names,
                              new_fingerprint=identity(block_size, packing, mask_boundaries, split_long),
                              desc="packing" if packing else "dropping empty documents")
+
+    def _read_pairs(self, train: Any, val: Any, path: str, block_size: int, long_pairs: str, num_proc: int) -> None:
+        """Preference pairs tokenized by TRL's rule (src/data/preference.py) with Dataset.map, cached as documents
+        are; pairs too long are truncated or dropped, and the log counts them."""
+        from accelerate import PartialState
+
+        preference.missing_columns(train.column_names, f"data.path={path}")
+        codec, splits = self.codec, []
+        for name, documents in (("training", train), ("validation", val)):
+            def tokenize(batch: dict) -> dict:
+                out = {"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "fate": []}
+                for i in range(len(batch["chosen"])):  # row by row: each row's fate, whatever num_proc's slices
+                    row = {key: [batch[key][i]] for key in ("prompt", *preference.COLUMNS) if key in batch}
+                    pairs, counts = preference.tokenized_pairs(codec, row, block_size, long_pairs)
+                    out["fate"].append(next((fate for fate, n in counts.items() if n), "kept"))
+                    for key in pairs:
+                        out[key].append(pairs[key][0] if pairs[key] else [])
+                return out
+
+            hasher = hashlib.blake2b(digest_size=8)
+            for part in (preference.PAIR_RULE, documents._fingerprint, codec.identity(), codec.end_of_text,
+                         codec.chat.source if codec.chat else "", block_size, long_pairs):
+                hasher.update(str(part).encode())
+            tokenized = documents.map(tokenize, batched=True, remove_columns=documents.column_names,
+                                      new_fingerprint=hasher.hexdigest(), desc="tokenizing pairs",
+                                      num_proc=min(num_proc, len(documents)) if num_proc > 1 else None)
+            fates = collections.Counter(tokenized["fate"])
+            kept = tokenized.filter(lambda fate: fate in ("kept", "truncated"), input_columns="fate",
+                                    new_fingerprint=hasher.hexdigest() + "-kept")
+            if PartialState().is_main_process:
+                preference.report(fates, len(kept), block_size, f"data.path={path}, {name}")
+            if len(kept) == 0:
+                raise UsageError(f"data.path={path}: no {name} preference pair (data.block_size={block_size}, "
+                                 f"data.long_pairs={long_pairs})")
+            splits.append(kept)
+        self.train = preference.Pairs(splits[0])
+        self.val = preference.Pairs(splits[1], first_index=len(splits[0]))
+        self.collate_fn = preference.collate_pairs
 
     @model_size
     def vocab_size(self) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 from torch.utils.data import ConcatDataset, Dataset
 
 from src.data.base import DataModule, model_size
+from src.data.preference import LongPairs
 from src.data.tokenizer import REVISION
 from src.errors import UsageError
 from src.schema.signature import Arg
@@ -58,7 +59,7 @@ class MixedSamples(Dataset):
             source = bisect.bisect_right(self.starts, index) - 1
             key = (source, self.index_in(source, index - self.starts[source]))
             if key not in lengths:
-                lengths[key] = len(self.sources[source][key[1]]["input_ids"])
+                lengths[key] = sample_tokens(self.sources[source][key[1]])
             tokens[source] += lengths[key]
         return tokens
 
@@ -72,6 +73,13 @@ class MixedSamples(Dataset):
 @functools.lru_cache(maxsize=64)
 def _permutation(seed: int, source: int, lap: int, size: int) -> np.ndarray:
     return np.random.default_rng([seed, source, lap]).permutation(size)
+
+
+def sample_tokens(sample: dict) -> int:
+    """A sample's tokens: a document's, or a preference pair's prompt and both answers."""
+    if "input_ids" in sample:
+        return len(sample["input_ids"])
+    return sum(len(sample[key]) for key in ("prompt_ids", "chosen_ids", "rejected_ids"))
 
 
 def shares(weights: list[float], total: int) -> list[int]:
@@ -103,6 +111,8 @@ class Mixture(DataModule):
             "as data=hf_dataset's, for every source")] = False,
         long_documents: Annotated[Literal["truncate", "split"], Arg("as data=hf_dataset's")] = "truncate",
         mask_boundaries: Annotated[bool, Arg("as data=hf_dataset's")] = False,
+        preference: Annotated[bool, Arg("as data=hf_dataset's, for every source: preference pairs")] = False,
+        long_pairs: Annotated[LongPairs, Arg("as data=hf_dataset's")] = "truncate",
         **loader,
     ):
         super().__init__(**loader)
@@ -127,7 +137,8 @@ class Mixture(DataModule):
                 built.append(HFDataset(block_size=block_size, tokenizer=tokenizer,
                                        tokenizer_revision=tokenizer_revision, packing=packing,
                                        long_documents=long_documents, mask_boundaries=mask_boundaries,
-                                       batch_size=self.batch_size, **source))
+                                       preference=preference, long_pairs=long_pairs, batch_size=self.batch_size,
+                                       **source))
             except UsageError as error:  # its keys are data.KEY to it: say which source
                 raise UsageError(f"data.sources[{i}] ({source['path']}): {error}") from None
             weights.append(float(weight))
@@ -135,13 +146,17 @@ class Mixture(DataModule):
         counts = shares(weights, total)
         self.codec, self.collate_fn = built[0].codec, built[0].collate_fn
         self.attends_per_document = built[0].attends_per_document
+        if preference:  # every pair of every source its own number (precomputed reference log-probabilities)
+            numbered = [b.train for b in built] + [b.val for b in built]
+            for before, pairs in zip(numbered, numbered[1:]):
+                pairs.first_index = before.first_index + len(before)
         self.train = MixedSamples([b.train for b in built], counts, seed)
         self.paths = [str(source["path"]) for source in sources]
         self.val = ConcatDataset([b.val for b in built])
         self.source_files = {f"source {i} {name}": path for i, b in enumerate(built)
                              for name, path in b.source_files.items()}
         for i, (source, count) in enumerate(zip(built, counts) if PartialState().is_main_process else []):
-            tokens = sum(len(source.train[j]["input_ids"]) for j in range(min(len(source.train), 1000)))
+            tokens = sum(sample_tokens(source.train[j]) for j in range(min(len(source.train), 1000)))
             per_sample = tokens / max(1, min(len(source.train), 1000))
             log.info("data.sources[%d] %s: weight %g, %d of an epoch's %d samples (%.1f%%; it holds %d), about "
                      "%d tokens", i, sources[i]["path"], weights[i], count, total, 100 * count / total,

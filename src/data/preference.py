@@ -128,11 +128,11 @@ def tokenized_pairs(codec, rows: dict, block_size: int, long_pairs: LongPairs) -
 
 def report(counts: dict, pairs: int, block_size: int, where: str) -> None:
     said = []
-    if counts["truncated"]:
+    if counts.get("truncated"):
         said.append(f"{counts['truncated']} truncated to data.block_size={block_size} (the prompt first)")
-    if counts["dropped"]:
+    if counts.get("dropped"):
         said.append(f"{counts['dropped']} longer than data.block_size={block_size} dropped (data.long_pairs=drop)")
-    if counts["empty"]:
+    if counts.get("empty"):
         said.append(f"{counts['empty']} without an answer token dropped")
     if said:
         log.warning("%s: %d preference pairs kept; %s", where, pairs, "; ".join(said))
@@ -146,7 +146,7 @@ class Pairs(Dataset):
         self.columns, self.first_index = columns, first_index
 
     def __len__(self) -> int:
-        return len(self.columns["chosen_ids"])
+        return len(self.columns["chosen_ids"]) if isinstance(self.columns, dict) else len(self.columns)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         row = self.columns[i] if not isinstance(self.columns, dict) else {k: v[i] for k, v in self.columns.items()}

@@ -22,6 +22,11 @@ from src.objectives.preference import NOT_MODEL_INPUTS, REFERENCE_FILE, answer_l
 log = logging.getLogger(__name__)
 
 
+DESCRIBED = {"adapter": "the model with its LoRA adapter switched off (its base weights, no copy)",
+             "copy": "a frozen copy of the starting weights on each process",
+             "precomputed": "the starting weights' log-probabilities of every pair, computed before the first step"}
+
+
 class Reference:
     @staticmethod
     def build(kind: str, accelerator: Accelerator, model: torch.nn.Module, data, run_dir: Path,
@@ -33,6 +38,8 @@ class Reference:
         sharded = is_sharded(accelerator)
         if kind == "auto":
             kind = "adapter" if has_adapter else "precomputed" if sharded else "copy"
+        if accelerator.is_main_process:
+            log.info("objective.reference=%s: %s", kind, DESCRIBED[kind])
         if kind == "adapter":
             if not has_adapter:
                 raise UsageError("objective.reference=adapter needs a model with a LoRA adapter (model.peft): its "
@@ -90,6 +97,32 @@ class FrozenCopy(Reference):
             return answer_logps(call_model(self.model, model_inputs(inputs)), targets, self.ignore_index)[0]
 
 
+def for_evaluation(accelerator: Accelerator, run_cfg, source: Path, ignore_index: int) -> Reference:
+    """eval.py's reference for a DPO run's model or checkpoint at `source`: the log-probabilities the run
+    precomputed (in its run dir), else the run's starting model rebuilt from its config (model.pretrained; with an
+    adapter, as a fresh run starts it: switched off, the base)."""
+    from hydra.utils import instantiate
+    from safetensors.torch import load_file
+
+    for run_dir in (source.parent, source.parent.parent):
+        if (run_dir / REFERENCE_FILE).is_file():
+            return Precomputed(load_file(run_dir / REFERENCE_FILE)["reference_logps"], accelerator.device)
+    if not run_cfg.model.get("pretrained"):
+        raise UsageError(f"path={source}: objective=dpo's reference is the run's starting model, here a seeded "
+                         f"random initialisation without model.pretrained, and {REFERENCE_FILE} is not in its run "
+                         "dir; train with objective.reference=precomputed to evaluate such a run")
+    starting = instantiate(run_cfg.model, _convert_="all").to(accelerator.device)
+    return FrozenCopy(accelerator, starting, ignore_index)
+
+
+def pair_sets(data) -> list:
+    """Every preference pair of the data, as the sets that number them (src/data/preference.py's Pairs): the
+    training and validation pairs, or each source's of a mixture; whatever a run draws of them."""
+    train = getattr(data.train, "dataset", data.train)  # trainer.limit_train_batches's first samples: all of them
+    sets = list(getattr(train, "sources", [train])) + list(getattr(data.val, "datasets", [data.val]))
+    return sorted(sets, key=lambda pairs: pairs.first_index)
+
+
 class Precomputed(Reference):
     """The starting model's log-probabilities of every pair, chosen and rejected, computed once and kept with the
     run: a table of (pairs, 2) read by each batch's pair_index."""
@@ -108,7 +141,8 @@ class Precomputed(Reference):
         from safetensors.torch import load_file
 
         file = run_dir / REFERENCE_FILE
-        pairs = data.val.first_index + len(data.val)  # the training pairs are numbered first
+        sets = pair_sets(data)
+        pairs = sets[-1].first_index + len(sets[-1])  # numbered one set after the other
         kept = checkpoint.parent.parent / REFERENCE_FILE if checkpoint is not None else None
         if kept is not None and kept.is_file():
             table = load_file(kept)["reference_logps"]
@@ -135,7 +169,8 @@ class Precomputed(Reference):
         """One forward pass of the starting model over the training and validation pairs, split over the
         processes; every process ends with the whole table."""
         table = torch.full((pairs, 2), float("nan"))
-        for dataset in (data.train, data.val):
+        sets = pair_sets(data)
+        for dataset in sets:
             loader = accelerator.prepare_data_loader(
                 DataLoader(dataset, batch_size=data.eval_batch_size, collate_fn=data.collate_fn), device_placement=True)
             for batch in loader:
@@ -145,8 +180,8 @@ class Precomputed(Reference):
                 index, logps = accelerator.gather_for_metrics((inputs["pair_index"], logps.float().view(2, -1).T))
                 table[index.cpu()] = logps.cpu()
         computed = int((~table.isnan().any(1)).sum())
-        if computed != len(data.train) + len(data.val):
+        if computed != sum(len(s) for s in sets):
             raise RuntimeError(f"reference log-probabilities computed for {computed} pairs of "
-                               f"{len(data.train) + len(data.val)}")
+                               f"{sum(len(s) for s in sets)}")
         log.info("objective.reference=precomputed: the starting model's log-probabilities of %d pairs", computed)
         return table

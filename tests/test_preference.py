@@ -1,0 +1,389 @@
+"""Preference tuning: pairs tokenized as TRL tokenizes them, DPO / SimPO / ORPO equal to TRL's trainers, exact
+however the global batch is split, the reference model without a second copy under LoRA, and real runs."""
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, exported_weights, kill_when, max_abs_diff, refused, run, scalars
+
+trl = pytest.importorskip("trl")
+
+PAIRS_FILE = ROOT / "data" / "shakespeare_pairs.jsonl"
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+LORA = "model.peft={peft_type: LORA, r: 4, lora_alpha: 8, target_modules: [c_attn]}"
+
+
+def shipped_pairs(n: int, codec, block_size: int = 64) -> list[dict]:
+    """The first n pairs of the shipped set that fit block_size tokens (no truncation: TRL's rule is another)."""
+    from src.data.preference import tokenized_pair
+
+    rows = []
+    for line in PAIRS_FILE.read_text().splitlines():
+        row = json.loads(line)
+        prompt, chosen, rejected = tokenized_pair(codec, row["prompt"], row["chosen"], row["rejected"])
+        if len(prompt) + max(len(chosen), len(rejected)) <= block_size:
+            rows.append(row)
+        if len(rows) == n:
+            return rows
+    raise AssertionError("too few short pairs")
+
+
+@pytest.fixture(scope="module")
+def chat_model(pretrained, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("chat") / "model"
+    shutil.copytree(pretrained, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+def batch_of(codec, rows: list[dict], block_size: int = 64) -> dict:
+    from src.data.preference import Pairs, collate_pairs, tokenized_pairs
+
+    columns = {key: [row[key] for row in rows] for key in rows[0]}
+    pairs, _ = tokenized_pairs(codec, columns, block_size, "truncate")
+    return collate_pairs([Pairs(pairs)[i] for i in range(len(rows))])
+
+
+def our_metrics(objective, model, batch: dict, reference=None) -> dict[str, float]:
+    """The objective's evaluation of one batch of pairs, averaged as evaluation averages them."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if reference is not None:
+        inputs["reference_logps"] = reference(model, inputs, batch["labels"])
+    with torch.no_grad():
+        per_pair = objective.model_metrics(model, inputs, batch["labels"])
+    return objective.completed_metrics({k: (v.double().sum() / w.double().sum()).item()
+                                        for k, (v, w) in per_pair.items()})
+
+
+def trl_metrics(trainer) -> dict[str, float]:
+    return {k.removeprefix("eval_"): v for k, v in trainer.evaluate().items()}
+
+
+def trl_args(config_class, tmp_path: Path, pairs: int, **settings):
+    # bf16 off: TRL's configs default to it, and on a CPU it would run only the prepared reference model in bf16.
+    return config_class(output_dir=str(tmp_path / "trl"), per_device_eval_batch_size=pairs, report_to=[],
+                        use_cpu=True, bf16=False, **settings)
+
+
+def assert_same(ours: dict, theirs: dict, names) -> None:
+    for name in names:
+        assert ours[name] == pytest.approx(theirs[name], abs=1e-5), (name, ours[name], theirs[name])
+
+
+# ---------------------------------------------------------------------------------------------------- tokenization
+
+
+@pytest.mark.parametrize("form", ["strings", "implicit strings", "conversations", "implicit conversations"])
+def test_pairs_are_tokenized_as_trls_dpo_trainer_tokenizes_them(form, chat_model):
+    """Prompt, chosen and rejected ids equal those of TRL's DPOTrainer, for strings and conversations, with the
+    prompt given or implicit in the answers' shared start."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from src.data.preference import tokenized_pairs
+    from src.data.tokenizer import codec_for
+
+    strings = [json.loads(line) for line in PAIRS_FILE.read_text().splitlines()[:12]]
+    rows = {
+        "strings": strings,
+        "implicit strings": [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}
+                             for r in strings] + [{"chosen": "The sky is blue.", "rejected": "The sky is green."}],
+        "conversations": [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                           "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                           "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in strings],
+        "implicit conversations": [{"chosen": [{"role": "user", "content": r["prompt"]},
+                                               {"role": "assistant", "content": r["chosen"]}],
+                                    "rejected": [{"role": "user", "content": r["prompt"]},
+                                                 {"role": "assistant", "content": r["rejected"]}]} for r in strings],
+    }[form]
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    trainer = trl.DPOTrainer(model=AutoModelForCausalLM.from_pretrained(chat_model),
+                             args=trl.DPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False),
+                             processing_class=tokenizer, train_dataset=Dataset.from_list(rows))
+    theirs = trainer.train_dataset
+    ours, counts = tokenized_pairs(codec_for(str(chat_model)), {k: [r[k] for r in rows] for k in rows[0]}, 10_000,
+                                   "truncate")
+    assert counts == {"truncated": 0, "dropped": 0, "empty": 0}
+    for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
+        assert ours[key] == theirs[key], key
+
+
+def test_a_pair_longer_than_the_block_loses_its_prompts_start_first_or_is_dropped():
+    from src.data.preference import fitted
+
+    pair = (list(range(10)), [100, 101, 102], [200, 201])
+    assert fitted(pair, 15, "truncate") is pair
+    assert fitted(pair, 8, "truncate") == ([5, 6, 7, 8, 9], [100, 101, 102], [200, 201])
+    assert fitted(pair, 3, "truncate") == ([9], [100, 101], [200, 201])  # the prompt keeps a token
+    assert fitted(pair, 8, "drop") is None
+
+
+# ---------------------------------------------------------------------------------------------- equal to TRL
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
+def test_dpo_loss_and_metrics_equal_trls_dpo_trainer(loss_type, pretrained, tmp_path):
+    """For the same model, reference, pairs and settings, the loss and TRL's reward and log-probability metrics
+    equal DPOTrainer's within 1e-5. The reference differs from the policy (another model), so that the rewards are
+    not all zero."""
+    from accelerate import Accelerator
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from src.data.tokenizer import codec_for
+    from src.objectives.preference import DPO
+    from src.objectives.reference import FrozenCopy
+
+    codec = codec_for(str(pretrained))
+    rows = shipped_pairs(12, codec)
+    policy = AutoModelForCausalLM.from_pretrained(pretrained)
+    reference = AutoModelForCausalLM.from_pretrained(pretrained)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    smoothing = 0.2 if loss_type == "robust" else 0.0
+    settings = dict(beta=0.3, loss_type=loss_type, label_smoothing=smoothing)
+    trainer = trl.DPOTrainer(model=policy, ref_model=reference, processing_class=AutoTokenizer.from_pretrained(
+        pretrained), args=trl_args(trl.DPOConfig, tmp_path, len(rows), **{**settings, "loss_type": [loss_type]}),
+        train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows))
+    theirs = trl_metrics(trainer)
+    ours = our_metrics(DPO(**settings, reference="copy"), policy, batch_of(codec, rows),
+                       FrozenCopy(Accelerator(cpu=True), reference, -100))
+    assert theirs["rewards/margins"] != 0
+    assert_same(ours, theirs, ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                               "logps/chosen", "logps/rejected"])
+
+
+@pytest.mark.parametrize("sft_weight", [0.0, 1.0])
+def test_simpo_equals_trls_cpo_trainer_with_loss_type_simpo(sft_weight, pretrained, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    from src.data.tokenizer import codec_for
+    from src.objectives.preference import SimPO
+
+    codec = codec_for(str(pretrained))
+    rows = shipped_pairs(12, codec)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(pretrained), AutoTokenizer.from_pretrained(pretrained)
+    tokenizer.pad_token = tokenizer.eos_token
+    trainer = CPOTrainer(model=model, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
+                         eval_dataset=Dataset.from_list(rows),
+                         args=trl_args(CPOConfig, tmp_path, len(rows), loss_type="simpo", beta=2.0, simpo_gamma=0.5,
+                                       cpo_alpha=sft_weight, max_length=64))
+    theirs = trl_metrics(trainer)
+    ours = our_metrics(SimPO(beta=2.0, simpo_gamma=0.5, sft_weight=sft_weight), model, batch_of(codec, rows))
+    assert_same(ours, theirs, ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                               "logps/chosen", "logps/rejected"])
+
+
+def test_orpo_equals_trls_orpo_trainer(pretrained, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+    from src.data.tokenizer import codec_for
+    from src.objectives.preference import ORPO
+
+    codec = codec_for(str(pretrained))
+    rows = shipped_pairs(12, codec)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(pretrained), AutoTokenizer.from_pretrained(pretrained)
+    tokenizer.pad_token = tokenizer.eos_token
+    trainer = ORPOTrainer(model=model, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
+                          eval_dataset=Dataset.from_list(rows),
+                          args=trl_args(ORPOConfig, tmp_path, len(rows), beta=0.1, max_length=64))
+    theirs = trl_metrics(trainer)
+    ours = our_metrics(ORPO(beta=0.1), model, batch_of(codec, rows))
+    assert_same(ours, theirs, ["loss", "nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen",
+                               "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                               "logps/rejected"])
+
+
+# ------------------------------------------------------------------------------------- exact over the global batch
+
+
+@pytest.mark.parametrize("objective", ["dpo", "simpo", "orpo"])
+def test_a_steps_loss_and_gradient_are_the_same_however_the_global_batch_is_split(objective, pretrained):
+    """The loop's recipe (each micro-batch's terms over the global batch's counts, src/loop/accumulation.py) gives
+    the whole batch's loss and gradient for micro-batches of 1, 2 and 3 pairs of different lengths: pairs for every
+    objective, and tokens for ORPO's and SimPO's language-model term."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from src.data.tokenizer import codec_for
+    from src.objectives.preference import DPO, ORPO, SimPO
+    from src.objectives.reference import FrozenCopy
+
+    codec = codec_for(str(pretrained))
+    rows = shipped_pairs(6, codec)
+    model = AutoModelForCausalLM.from_pretrained(pretrained)
+    chosen = {"dpo": lambda: DPO(reference="copy"), "simpo": lambda: SimPO(sft_weight=0.5),
+              "orpo": lambda: ORPO()}[objective]()
+    reference = FrozenCopy(Accelerator(cpu=True), AutoModelForCausalLM.from_pretrained(pretrained), -100)
+    if objective == "dpo":  # a reference unlike the policy, so that the loss is not log 2 everywhere
+        with torch.no_grad():
+            for parameter in reference.model.parameters():
+                parameter.mul_(0.9)
+
+    def loss_and_gradient(splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad()
+        batches, start = [], 0
+        for size in splits:
+            batches.append(batch_of(codec, rows[start:start + size]))
+            start += size
+        counts = sum(chosen.count(b["labels"]) for b in batches)
+        total = 0
+        for b in batches:
+            inputs = {k: v for k, v in b.items() if k != "labels"}
+            if objective == "dpo":
+                inputs["reference_logps"] = reference(model, inputs, b["labels"])
+            loss = (chosen.model_loss_sum(model, inputs, b["labels"]) / counts).sum()
+            loss.backward()
+            total += loss.detach()
+        return total, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    whole_loss, whole_gradient = loss_and_gradient([6])
+    for splits in ([1, 2, 3], [3, 3], [1] * 6):
+        loss, gradient = loss_and_gradient(splits)
+        assert loss.item() == pytest.approx(whole_loss.item(), abs=1e-6), splits
+        assert (gradient - whole_gradient).abs().max().item() < 1e-6, splits
+
+
+# ------------------------------------------------------------------------------------------- the reference model
+
+
+def test_the_reference_of_a_lora_model_is_its_base_with_the_adapter_off_and_holds_no_copy(pretrained):
+    """objective.reference=auto on a model with an adapter: its log-probabilities are the base model's, however far
+    the adapter has moved, computed by the model itself (no module of its own), and in eval mode (no dropout)."""
+    peft = pytest.importorskip("peft")
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from src.data.tokenizer import codec_for
+    from src.objectives.reference import AdapterOff, Reference
+
+    codec = codec_for(str(pretrained))
+    batch = batch_of(codec, shipped_pairs(4, codec))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(pretrained, resid_pdrop=0.5),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"]))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_()
+    model.train()
+    reference = Reference.build("auto", Accelerator(cpu=True), model, None, Path("unused"), None, -100)
+    assert isinstance(reference, AdapterOff)
+    assert not any(isinstance(value, torch.nn.Module) for value in vars(reference).values())
+    base = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    from src.objectives.preference import answer_logps
+
+    with torch.no_grad():
+        expected = answer_logps(base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                batch["labels"], -100)[0]
+        adapted = answer_logps(model.eval()(input_ids=batch["input_ids"],
+                                            attention_mask=batch["attention_mask"]).logits, batch["labels"], -100)[0]
+    model.train()
+    got = reference(model, inputs, batch["labels"])
+    assert model.training  # its mode is given back
+    torch.testing.assert_close(got, expected)
+    assert (adapted - expected).abs().max() > 1e-2  # the adapter does change the model
+
+
+# ------------------------------------------------------------------------------------------------- real runs
+
+
+def dpo_args(pretrained, run_dir, *extra) -> list[str]:
+    return ["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=64", "data=jsonl",
+            f"data.path={PAIRS_FILE}", "data.preference=true", "data.batch_size=8", "objective=dpo",
+            "optimizer.lr=3e-3", "scheduler.warmup_steps=2", "trainer.log_every=1", f"hydra.run.dir={run_dir}",
+            *extra]
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft, not ours
+def test_dpo_on_lora_learns_the_preference_logs_trls_metrics_and_eval_scores_its_export_as_the_run_did(
+        tmp_path, pretrained):
+    run_dir = tmp_path / "dpo"
+    log = run(dpo_args(pretrained, run_dir, LORA, "trainer.max_steps=24", "trainer.eval_every=12",
+                       "trainer.eval_on_start=true", "trainer.monitor=eval/rewards/accuracies",
+                       "trainer.monitor_mode=max")).stdout
+    assert "objective.reference=adapter" in log and "preference pairs kept" in log  # some are truncated to 64
+    for split in ("train", "eval"):
+        for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                     "logps/rejected"):
+            assert scalars(run_dir, f"{split}/{name}"), f"{split}/{name}"
+    accuracy, margins = scalars(run_dir, "eval/rewards/accuracies"), scalars(run_dir, "eval/rewards/margins")
+    assert accuracy[0] == 0 and margins[0] == 0  # the policy is its reference at the start: every pair a tie
+    assert accuracy[24] > 0.8 and margins[24] > margins[12] > 0
+    assert scalars(run_dir, "train/loss")[1] == pytest.approx(math.log(2), abs=1e-6)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_metrics"]["eval/rewards/accuracies"] == pytest.approx(accuracy[24])
+    assert summary["best"]["metric"] == "eval/rewards/accuracies" and (run_dir / "model_best").is_dir()
+
+    evaluated = run(["path=" + str(run_dir / "model"), "output=" + str(tmp_path / "eval.json")], script="eval.py")
+    assert evaluated.returncode == 0
+    scored = json.loads((tmp_path / "eval.json").read_text())
+    assert scored["eval/rewards/margins"] == pytest.approx(margins[24], abs=1e-5)
+    assert scored["eval/loss"] == pytest.approx(scalars(run_dir, "eval/loss")[24], abs=1e-5)
+
+
+def test_pairs_without_their_columns_or_with_an_objective_for_documents_are_refused(tmp_path, pretrained):
+    from src.data.jsonl import JsonlData
+    from src.errors import UsageError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    with pytest.raises(UsageError, match=r"bad.jsonl:1.*rejected"):
+        JsonlData(block_size=16, path=str(bad), preference=True)
+    refused(run(dpo_args(pretrained, tmp_path / "a", "objective=causal_lm"), check=False),
+            "data.preference=true", "objective=causal_lm", "dpo")
+    refused(run([*dpo_args(pretrained, tmp_path / "b"), "data.preference=false"], check=False),
+            "data.preference=false", "objective=dpo", "data.preference=true")
+
+
+def without_key_biases(run_dir: Path) -> dict:
+    """The exported weights, GPT-2's key biases aside: attention is invariant to them (a softmax shifted by a
+    constant), so their gradient is zero but for rounding, which AdamW's normalisation turns into whole steps that
+    differ with the order of a sum (measured: 3e-3 between layouts there, under 1e-5 everywhere else)."""
+    weights = exported_weights(run_dir)
+    for name, tensor in weights.items():
+        if name.endswith("attn.c_attn.bias"):
+            width = tensor.shape[0] // 3  # query, key, value
+            weights[name] = torch.cat([tensor[:width], tensor[2 * width:]])
+    return weights
+
+
+@pytest.mark.slow  # four launches of two processes or a kill, ~60 s
+def test_dpo_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_with_its_precomputed_reference(
+        tmp_path, pretrained):
+    """Full fine-tuning against log-probabilities precomputed before the first step: 2 processes of 2 pairs
+    accumulating 2 train the weights and log the metrics of 1 process of 4 pairs accumulating 2 (<= 1e-5); a
+    reference=copy run trains the same weights; a run killed after a checkpoint resumes bitwise, reading the
+    table it kept rather than computing it again."""
+    common = ["trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.monitor=null", "trainer.eval_every=0",
+              "trainer.gradient_accumulation_steps=2"]
+    one, two, copied, killed = (tmp_path / name for name in ("one", "two", "copy", "killed"))
+    precomputed = ["objective.reference=precomputed", *common]
+    run(dpo_args(pretrained, one, "data.batch_size=4", *precomputed))
+    run(dpo_args(pretrained, two, "data.batch_size=2", *precomputed), nproc=2)
+    run(dpo_args(pretrained, copied, "data.batch_size=4", "objective.reference=copy", *common))
+    for name in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
+        ones = scalars(one, f"train/{name}")  # a log-probability of -150 is stored to 1.5e-5 (TensorBoard's fp32)
+        assert all(scalars(two, f"train/{name}")[s] == pytest.approx(ones[s], abs=1e-5, rel=1e-6) for s in ones), name
+    assert max_abs_diff(without_key_biases(two), without_key_biases(one)) <= 1e-5
+    assert max_abs_diff(exported_weights(copied), exported_weights(one)) <= 1e-5
+
+    kill_when(dpo_args(pretrained, killed, "data.batch_size=4", *precomputed), 1,
+              ready=lambda: (killed / "checkpoints" / "step_00000003").is_dir())
+    resumed = run(dpo_args(pretrained, killed, "data.batch_size=4", *precomputed, "resume=auto")).stdout
+    assert "objective.reference=precomputed: read" in resumed
+    assert scalars(killed, "train/loss") == scalars(one, "train/loss")
+    assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
