@@ -45,6 +45,7 @@ PARTNERS = {
     "data=hf_dataset": ["objective=causal_lm", "data.path=corpus.parquet"],
     "data=mixture": ["objective=causal_lm", "data.sources=[{path: a.parquet, weight: 1}]"],
     "experiment=owt_tokens": ["data.path=train.bin"],
+    **{f"objective={name}": ["data=jsonl", "data.preference=true"] for name in ("dpo", "simpo", "orpo")},
 }
 
 

@@ -110,6 +110,7 @@ RUN_ON_SLURM = [
 ELIDED = "a command cut short (...) or a placeholder: the commands it stands for are run above"
 IN_PROSE = "a command or flag named in a sentence, not a command to type; what it refers to runs above"
 WALKTHROUGH_FILE = "the bring-your-own walkthrough's file: tests/test_readme_example.py writes and runs it verbatim"
+PREFERENCE_WALKTHROUGH = "the preference-tuning walkthrough (SFT then DPO): tests/test_readme_example.py follows it verbatim"
 NOT_RUN = {
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt -r requirements-extras.txt "
     "&& python -m pytest tests": "the suite itself: .ci/run runs it verbatim (checked below)",
@@ -188,6 +189,15 @@ NOT_RUN = {
     "data=mixture 'data.sources=[{path: data/shakespeare_speeches.jsonl, weight: 3}, {path: "
     "data/shakespeare_dialogues.jsonl, text_column: messages, weight: 1}]' objective=causal_lm trainer.max_steps=30 "
     "hydra.run.dir=outputs/mixture": "the fine-tuning walkthrough: tests/test_readme_example.py follows it verbatim",
+    "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/tiny_gpt2 model.block_size=128 data=jsonl "
+    "data.path=data/shakespeare_pairs.jsonl data.prompt_key=prompt data.text_key=chosen objective=causal_lm "
+    "optimizer.lr=1e-3 trainer.max_steps=100 hydra.run.dir=outputs/sft": PREFERENCE_WALKTHROUGH,
+    "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/sft/model model.block_size=128 data=jsonl "
+    "data.path=data/shakespeare_pairs.jsonl data.preference=true objective=dpo 'model.peft={peft_type: LORA, r: 8, "
+    "lora_alpha: 16, target_modules: [c_attn]}' data.batch_size=16 optimizer.lr=1e-3 trainer.max_steps=60 "
+    "trainer.eval_every=20 trainer.eval_on_start=true trainer.monitor=eval/rewards/accuracies "
+    "trainer.monitor_mode=max hydra.run.dir=outputs/dpo": PREFERENCE_WALKTHROUGH,
+    "python eval.py path=outputs/dpo/model": PREFERENCE_WALKTHROUGH,
     "accelerate launch train.py model=hf_causal_lm model.pretrained=/models/gpt2 'model.peft={peft_type: LORA, r: 8, "
     "lora_alpha: 16, target_modules: [c_attn]}'": "needs a downloaded model; tests/test_finetune.py trains LoRA on a "
                                                   "small pretrained folder",

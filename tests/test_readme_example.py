@@ -96,3 +96,28 @@ def test_readme_fine_tuning_walkthrough_trains_a_lora_adapter_on_a_pretrained_fo
           "data.sources[1] data/shakespeare_dialogues.jsonl: weight 1")
     losses = scalars(repo / "outputs" / "mixture", "train/loss")
     assert max(losses) == 30 and losses[30] < losses[min(losses)], losses
+
+
+@pytest.mark.slow
+def test_readme_preference_walkthrough_tunes_the_tiny_model_then_aligns_it_with_dpo_its_reward_accuracy_rising(
+        tmp_path):
+    """The fine-tuning walkthrough's tiny folder, tuned on the chosen answers, then DPO on a LoRA adapter whose base
+    is the reference: at step 0 every validation pair is a tie, then the margins grow at each evaluation and the
+    reward accuracy rises; eval.py scores the export as the run's last evaluation did."""
+    (_, finetune), = blocks("finetune-run")
+    (_, commands), = blocks("preference-run")
+    repo = copy_of_repo(tmp_path / "repo")
+    outputs = []
+    for command in [finetune.strip().splitlines()[0], *commands.strip().splitlines()]:
+        proc = shell(command, repo)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}"
+        outputs.append(proc.stdout)
+    sft, dpo = repo / "outputs" / "sft", repo / "outputs" / "dpo"
+    losses = scalars(sft, "train/loss")
+    assert losses[max(losses)] < losses[min(losses)]
+    named(outputs[2], "objective.reference=adapter")
+    accuracy, margins = scalars(dpo, "eval/rewards/accuracies"), scalars(dpo, "eval/rewards/margins")
+    assert sorted(accuracy) == [0, 20, 40, 60] and accuracy[0] == 0 and margins[0] == 0
+    assert margins[0] < margins[20] < margins[40] < margins[60] and accuracy[60] > 0.9
+    scored = json.loads((dpo / "model" / "eval_metrics.json").read_text())
+    assert scored["eval/rewards/margins"] == pytest.approx(margins[60], abs=1e-5)
