@@ -1,4 +1,4 @@
-"""Is the template as fast and as exact as the alternatives? Ten benchmarks, one module each in
+"""Is the template as fast and as exact as the alternatives? Eleven benchmarks, one module each in
 scripts/benchmarks/ (its docstring says what it compares and how both sides are measured); results in
 scripts/BENCHMARKS.md.
 
@@ -12,6 +12,7 @@ scripts/BENCHMARKS.md.
     python scripts/benchmark.py loss-memory                               # vocabulary 128k: chunked loss or not
     python scripts/benchmark.py packing                                   # packed documents vs padded: tokens/s
     python scripts/benchmark.py data                                      # token shards vs data=hf_dataset
+    python scripts/benchmark.py preference                                # DPO: LoRA vs a reference copy, vs TRL
     python scripts/benchmark.py parity --device cuda --mixed-precision bf16 --peak-tflops 989 \
         model.n_layer=12 model.n_head=12 model.n_embd=768 model.block_size=1024 data.batch_size=16
 
@@ -31,13 +32,15 @@ from scripts.benchmarks import (  # noqa: E402
     nanogpt,
     packing,
     parity,
+    preference,
     scale,
     startup,
     stop_vote,
 )
 from scripts.benchmarks.common import ROOT  # noqa: E402
 
-BENCHMARKS = (parity, nanogpt, startup, checkpoint, gpu, stop_vote, scale, loss_memory, packing, data)
+BENCHMARKS = (parity, nanogpt, startup, checkpoint, gpu, stop_vote, scale, loss_memory, packing, data,
+              preference)
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, exported_weights, kill_when, max_abs_diff, named, refused, run, scalars
+from tests.conftest import ROOT, TINY_GPT, exported_weights, kill_when, max_abs_diff, named, refused, run, scalars
 
 trl = pytest.importorskip("trl")
 
@@ -113,6 +113,30 @@ def test_pairs_are_tokenized_as_trls_dpo_trainer_tokenizes_them(form, chat_model
     assert counts == {"truncated": 0, "dropped": 0, "empty": 0}
     for key in ("prompt_ids", "chosen_ids", "rejected_ids"):
         assert ours[key] == theirs[key], key
+
+
+def test_pairs_of_a_hugging_face_dataset_and_of_a_mixture_are_tokenized_alike_and_each_numbered_once(
+        tmp_path, pretrained):
+    """data=hf_dataset gives the pairs data=jsonl gives; a mixture numbers every pair of every source, training and
+    validation, once (what the precomputed reference's table is indexed by)."""
+    from src.data.hf_dataset import HFDataset
+    from src.data.jsonl import JsonlData
+    from src.data.mixture import Mixture
+    from src.objectives.reference import pair_sets
+
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    lines = PAIRS_FILE.read_text().splitlines()
+    first.write_text("\n".join(lines[:40]) + "\n")
+    second.write_text("\n".join(lines[40:70]) + "\n")
+    common = dict(block_size=64, tokenizer=str(pretrained), preference=True, batch_size=2)
+    by_jsonl, by_datasets = JsonlData(path=str(first), **common), HFDataset(path=str(first), **common)
+    for ours, theirs in ((by_jsonl.train, by_datasets.train), (by_jsonl.val, by_datasets.val)):
+        assert len(ours) == len(theirs)
+        for i in range(len(ours)):
+            assert all(torch.equal(ours[i][k], theirs[i][k]) for k in ours[i]), i
+    mixture = Mixture(sources=[{"path": str(first), "weight": 1}, {"path": str(second), "weight": 1}], **common)
+    numbers = [int(pairs[i]["pair_index"]) for pairs in pair_sets(mixture) for i in range(len(pairs))]
+    assert sorted(numbers) == list(range(70))
 
 
 def test_a_pair_longer_than_the_block_loses_its_prompts_start_first_or_is_dropped():
@@ -304,8 +328,7 @@ def test_the_reference_of_a_lora_model_is_its_base_with_the_adapter_off_and_hold
 def dpo_args(pretrained, run_dir, *extra) -> list[str]:
     return ["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=64", "data=jsonl",
             f"data.path={PAIRS_FILE}", "data.preference=true", "data.batch_size=8", "objective=dpo",
-            "optimizer.lr=3e-3", "scheduler.warmup_steps=2", "trainer.log_every=1", f"hydra.run.dir={run_dir}",
-            *extra]
+            "optimizer.lr=3e-3", "scheduler.warmup_steps=2", f"hydra.run.dir={run_dir}", *extra]
 
 
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft, not ours
@@ -313,7 +336,7 @@ def test_dpo_on_lora_learns_the_preference_logs_trls_metrics_and_eval_scores_its
         tmp_path, pretrained):
     run_dir = tmp_path / "dpo"
     log = run(dpo_args(pretrained, run_dir, LORA, "trainer.max_steps=24", "trainer.eval_every=12",
-                       "trainer.eval_on_start=true", "trainer.monitor=eval/rewards/accuracies",
+                       "trainer.log_every=1", "trainer.eval_on_start=true", "trainer.monitor=eval/rewards/accuracies",
                        "trainer.monitor_mode=max")).stdout
     assert "objective.reference=adapter" in log and "preference pairs kept" in log  # some are truncated to 64
     for split in ("train", "eval"):
@@ -369,7 +392,7 @@ def test_dpo_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_w
     reference=copy run trains the same weights; a run killed after a checkpoint resumes bitwise, reading the
     table it kept rather than computing it again."""
     common = ["trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.monitor=null", "trainer.eval_every=0",
-              "trainer.gradient_accumulation_steps=2"]
+              "trainer.gradient_accumulation_steps=2", "trainer.log_every=1"]
     one, two, copied, killed = (tmp_path / name for name in ("one", "two", "copy", "killed"))
     precomputed = ["objective.reference=precomputed", *common]
     run(dpo_args(pretrained, one, "data.batch_size=4", *precomputed))
@@ -411,3 +434,17 @@ def test_dpo_under_fsdp_trains_the_weights_of_one_process_with_lora_s_base_or_pr
                **FSDP_ON_CPU)
     assert proc.returncode != 0 and "step 1/" not in proc.stdout
     named(proc.stdout, "objective.reference=copy", "FSDP", "precomputed")
+
+
+@pytest.mark.parametrize("reference", ["copy", "precomputed"])
+def test_dpo_steps_make_no_host_reads_between_logging_steps(tmp_path, reference):
+    """The reference's pass, the pairs' metrics and the second loss term stay on the device: as for every
+    objective, the host reads a step's results only at steps that log, evaluate or save (tests/host_reads.py). On
+    the template's GPT: a transformers model reads its padding mask on the host itself (masking_utils)."""
+    run([*TINY_GPT, "data=jsonl", f"data.path={PAIRS_FILE}", "data.preference=true", "objective=dpo",
+         f"objective.reference={reference}", "trainer.max_steps=12", "trainer.log_every=5", "trainer.eval_every=6",
+         "trainer.checkpoint_every=4", "trainer.eval_batches=2", "data.batch_size=4", "optimizer.fused=true",
+         "trainer.gradient_accumulation_steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
+        script="tests/host_reads.py", launcher="torchrun", env={"HOST_READS_FILE": str(tmp_path / "reads")})
+    reads = json.loads((tmp_path / "reads.0").read_text())
+    assert len(reads) == 11 and not any(reads.values()), {step: r for step, r in reads.items() if r}

@@ -68,6 +68,7 @@ def find_micro_batch(accelerator: Accelerator, model: torch.nn.Module, objective
         if chosen is not None:
             break
     model.load_state_dict(saved_state)
+    objective.training_metrics()  # what the probes recorded is not training's
     torch.random.set_rng_state(saved_rng)
     if saved_cuda_rng is not None:
         torch.cuda.set_rng_state_all(saved_cuda_rng)
