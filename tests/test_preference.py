@@ -186,45 +186,42 @@ def test_dpo_loss_and_metrics_equal_trls_dpo_trainer(loss_type, pretrained, tmp_
                                "logps/chosen", "logps/rejected"])
 
 
-@pytest.mark.parametrize("sft_weight", [0.0, 1.0])
-def test_simpo_equals_trls_cpo_trainer_with_loss_type_simpo(sft_weight, pretrained, tmp_path):
+def reference_free_trl(trainer_class, config_class, pretrained: Path, tmp_path: Path, **settings):
+    """(codec, model, pairs, TRL's metrics) of one of TRL's reference-free trainers on the shipped pairs."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     from src.data.tokenizer import codec_for
-    from src.objectives.preference import SimPO
 
     codec = codec_for(str(pretrained))
     rows = shipped_pairs(12, codec)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(pretrained), AutoTokenizer.from_pretrained(pretrained)
     tokenizer.pad_token = tokenizer.eos_token
-    trainer = CPOTrainer(model=model, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
-                         eval_dataset=Dataset.from_list(rows),
-                         args=trl_args(CPOConfig, tmp_path, len(rows), loss_type="simpo", beta=2.0, simpo_gamma=0.5,
-                                       cpo_alpha=sft_weight, max_length=64))
-    theirs = trl_metrics(trainer)
+    trainer = trainer_class(model=model, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
+                            eval_dataset=Dataset.from_list(rows),
+                            args=trl_args(config_class, tmp_path, len(rows), max_length=64, **settings))
+    return codec, model, rows, trl_metrics(trainer)
+
+
+@pytest.mark.parametrize("sft_weight", [0.0, 1.0])
+def test_simpo_equals_trls_cpo_trainer_with_loss_type_simpo(sft_weight, pretrained, tmp_path):
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    from src.objectives.preference import SimPO
+
+    codec, model, rows, theirs = reference_free_trl(CPOTrainer, CPOConfig, pretrained, tmp_path, loss_type="simpo",
+                                                    beta=2.0, simpo_gamma=0.5, cpo_alpha=sft_weight)
     ours = our_metrics(SimPO(beta=2.0, simpo_gamma=0.5, sft_weight=sft_weight), model, batch_of(codec, rows))
     assert_same(ours, theirs, ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                                "logps/chosen", "logps/rejected"])
 
 
 def test_orpo_equals_trls_orpo_trainer(pretrained, tmp_path):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    from src.data.tokenizer import codec_for
     from src.objectives.preference import ORPO
 
-    codec = codec_for(str(pretrained))
-    rows = shipped_pairs(12, codec)
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(pretrained), AutoTokenizer.from_pretrained(pretrained)
-    tokenizer.pad_token = tokenizer.eos_token
-    trainer = ORPOTrainer(model=model, processing_class=tokenizer, train_dataset=Dataset.from_list(rows),
-                          eval_dataset=Dataset.from_list(rows),
-                          args=trl_args(ORPOConfig, tmp_path, len(rows), beta=0.1, max_length=64))
-    theirs = trl_metrics(trainer)
+    codec, model, rows, theirs = reference_free_trl(ORPOTrainer, ORPOConfig, pretrained, tmp_path, beta=0.1)
     ours = our_metrics(ORPO(beta=0.1), model, batch_of(codec, rows))
     assert_same(ours, theirs, ["loss", "nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen",
                                "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",

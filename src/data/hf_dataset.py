@@ -33,7 +33,7 @@ from src.data import preference
 from src.data.base import DataModule, model_size
 from src.data.jsonl import TOKENIZATION_RULE, pad_right, tokenized_documents, warn_untrained
 from src.data.packing import cross_document_blocks, packed_documents, packing_summary, pad_packed
-from src.data.preference import LongPairs
+from src.data.preference import LongPairsArg, PreferenceFlag
 from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
 from src.launch.first_per_machine import local_main_first
@@ -103,12 +103,8 @@ class HFDataset(DataModule):
                                              "from the document before it (label -100)")] = False,
         num_proc: Annotated[Optional[int], Arg(
             "processes that tokenize (null: one per 10,000 documents, up to this machine's CPUs)", ge=1)] = None,
-        preference: Annotated[bool, Arg(
-            "each row is a preference pair in TRL's format: chosen, rejected and prompt (or a prompt implicit in "
-            "their shared start), strings or conversations, for objective=dpo/simpo/orpo (src/data/preference.py)"
-            )] = False,
-        long_pairs: Annotated[LongPairs, Arg("with preference: a pair longer than block_size is truncated (the "
-                                             "prompt first) or dropped")] = "truncate",
+        preference: PreferenceFlag = False,
+        long_pairs: LongPairsArg = "truncate",
         **loader,
     ):
         super().__init__(**loader)

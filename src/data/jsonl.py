@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 
 from src.data import preference
 from src.data.base import IGNORE_INDEX, DataModule, model_size, readable_file
-from src.data.preference import LongPairs
+from src.data.preference import LongPairs, LongPairsArg, PreferenceFlag
 from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
 from src.schema.signature import Arg
@@ -151,12 +151,8 @@ class JsonlData(DataModule):
                                             ] = "byte",
         tokenizer_revision: Annotated[Optional[str], Arg(REVISION)] = None,
         val_fraction: Annotated[float, Arg("the last documents, as a fraction, validate", gt=0, lt=1)] = 0.1,
-        preference: Annotated[bool, Arg(
-            "each line is a preference pair in TRL's format: chosen, rejected and prompt (or a prompt implicit in "
-            "their shared start), strings or conversations, for objective=dpo/simpo/orpo (src/data/preference.py)"
-            )] = False,
-        long_pairs: Annotated[LongPairs, Arg("with preference: a pair longer than block_size is truncated (the "
-                                             "prompt first) or dropped")] = "truncate",
+        preference: PreferenceFlag = False,
+        long_pairs: LongPairsArg = "truncate",
         **loader,
     ):
         super().__init__(**loader)

@@ -20,13 +20,14 @@ training ones), which is how reference log-probabilities computed before trainin
 """
 
 import logging
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
 from torch.utils.data import Dataset
 
 from src.data.base import IGNORE_INDEX
 from src.errors import UsageError
+from src.schema.signature import Arg
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,12 @@ COLUMNS = ("chosen", "rejected")  # and `prompt`, unless it is implicit
 # How pairs become samples; part of data=hf_dataset's cache key, so a change of the rule never reuses old samples.
 PAIR_RULE = "1: TRL's DPOTrainer (prompt and answer tokenized together, the answer after the shared prefix)"
 LongPairs = Literal["truncate", "drop"]
+# The keys data=jsonl and data=hf_dataset share (data=mixture passes them on to every source).
+PreferenceFlag = Annotated[bool, Arg(
+    "each row is a preference pair in TRL's format: chosen, rejected and prompt (or a prompt implicit in their "
+    "shared start), strings or conversations, for objective=dpo/simpo/orpo (src/data/preference.py)")]
+LongPairsArg = Annotated[LongPairs, Arg("with preference: a pair longer than block_size is truncated (the prompt "
+                                        "first) or dropped")]
 
 
 def missing_columns(columns, where: str) -> None:
