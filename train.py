@@ -119,8 +119,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             break
     progress.close()
     preemption.close()
-    telemetry.summary(run_dir, stop_reason or FINISHED, state, evaluate.last, progress.loss,
-                      run.data.consumed(train_loader, state, run.epoch_samples))
+    telemetry.summary(run_dir, stop_reason or FINISHED, state, {**train_step.reported, **evaluate.last},
+                      progress.loss, run.data.consumed(train_loader, state, run.epoch_samples))
     if stop_reason == PREEMPTED:  # resumed later from the checkpoint just saved
         stop_preempted(accelerator, preemption, run_dir)
 

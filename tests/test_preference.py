@@ -346,6 +346,8 @@ def test_dpo_on_lora_learns_the_preference_logs_trls_metrics_and_eval_scores_its
     assert scalars(run_dir, "train/loss")[1] == pytest.approx(math.log(2), abs=1e-6)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_metrics"]["eval/rewards/accuracies"] == pytest.approx(accuracy[24])
+    assert summary["final_metrics"]["train/rewards/margins"] == pytest.approx(
+        scalars(run_dir, "train/rewards/margins")[24], abs=1e-6)  # training's too, as last logged
     assert summary["best"]["metric"] == "eval/rewards/accuracies" and (run_dir / "model_best").is_dir()
 
     evaluated = run(["path=" + str(run_dir / "model"), "output=" + str(tmp_path / "eval.json")], script="eval.py")

@@ -41,6 +41,7 @@ class TrainStep:
                                     trainer.max_consecutive_skips, run_dir)
         self.max_grad_norm = trainer.max_grad_norm or math.inf  # inf: measure the norm for logging, clip nothing
         self.scale = None  # fp16: the GradScaler's scale after the last step (read at the first)
+        self.reported: dict[str, float] = {}  # the objective's own training metrics as last logged (the summary's)
 
     def __call__(self, window: list, step: int) -> StepResult:
         """Optimizer step `step` + 1 over `window`, a list of gradient_accumulation_steps micro-batches."""
@@ -91,6 +92,7 @@ class TrainStep:
         samples = result.targets.reshape(-1)[0].clamp(min=1)  # an objective's first count: its samples (pairs)
         scalars = {f"train/{name}": (self.accelerator.reduce(value, "sum") / samples).item()
                    for name, value in result.metrics.items()}
+        self.reported = dict(scalars)
         scalars |= {"train/loss": loss.item(), "train/lr": self.scheduler.get_last_lr()[0],
                    "train/grad_norm": result.grad_norm.item(), "train/skipped_steps": self.guard.skipped}
         if self.accelerator.scaler is not None:  # fp16: a falling scale marks the steps the GradScaler skipped
