@@ -349,6 +349,7 @@ def test_dpo_on_lora_learns_the_preference_logs_trls_metrics_and_eval_scores_its
     assert summary["final_metrics"]["train/rewards/margins"] == pytest.approx(
         scalars(run_dir, "train/rewards/margins")[24], abs=1e-6)  # training's too, as last logged
     assert summary["best"]["metric"] == "eval/rewards/accuracies" and (run_dir / "model_best").is_dir()
+    assert (run_dir / "model" / "adapter" / "adapter_config.json").is_file()  # beside the merged model, as for SFT
 
     evaluated = run(["path=" + str(run_dir / "model"), "output=" + str(tmp_path / "eval.json")], script="eval.py")
     assert evaluated.returncode == 0
