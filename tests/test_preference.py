@@ -9,9 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY_GPT, exported_weights, kill_when, max_abs_diff, named, refused, run, scalars
+from tests.conftest import (
+    GPU_ENV,
+    ROOT,
+    TINY_GPT,
+    exported_weights,
+    kill_when,
+    max_abs_diff,
+    named,
+    refused,
+    run,
+    scalars,
+)
 
-trl = pytest.importorskip("trl")
 
 PAIRS_FILE = ROOT / "data" / "shakespeare_pairs.jsonl"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -32,6 +42,12 @@ def shipped_pairs(n: int, codec, block_size: int = 64) -> list[dict]:
         if len(rows) == n:
             return rows
     raise AssertionError("too few short pairs")
+
+
+@pytest.fixture
+def trl():
+    """TRL, for the side-by-side tests only (the GPU image has none, and the GPU tests here need none)."""
+    return pytest.importorskip("trl")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +97,7 @@ def assert_same(ours: dict, theirs: dict, names) -> None:
 
 
 @pytest.mark.parametrize("form", ["strings", "implicit strings", "conversations", "implicit conversations"])
-def test_pairs_are_tokenized_as_trls_dpo_trainer_tokenizes_them(form, chat_model):
+def test_pairs_are_tokenized_as_trls_dpo_trainer_tokenizes_them(form, chat_model, trl, tmp_path):
     """Prompt, chosen and rejected ids equal those of TRL's DPOTrainer, for strings and conversations, with the
     prompt given or implicit in the answers' shared start."""
     from datasets import Dataset
@@ -105,7 +121,7 @@ def test_pairs_are_tokenized_as_trls_dpo_trainer_tokenizes_them(form, chat_model
     }[form]
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
     trainer = trl.DPOTrainer(model=AutoModelForCausalLM.from_pretrained(chat_model),
-                             args=trl.DPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False),
+                             args=trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False),
                              processing_class=tokenizer, train_dataset=Dataset.from_list(rows))
     theirs = trainer.train_dataset
     ours, counts = tokenized_pairs(codec_for(str(chat_model)), {k: [r[k] for r in rows] for k in rows[0]}, 10_000,
@@ -153,7 +169,7 @@ def test_a_pair_longer_than_the_block_loses_its_prompts_start_first_or_is_droppe
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
-def test_dpo_loss_and_metrics_equal_trls_dpo_trainer(loss_type, pretrained, tmp_path):
+def test_dpo_loss_and_metrics_equal_trls_dpo_trainer(loss_type, pretrained, tmp_path, trl):
     """For the same model, reference, pairs and settings, the loss and TRL's reward and log-probability metrics
     equal DPOTrainer's within 1e-5. The reference differs from the policy (another model), so that the rewards are
     not all zero."""
@@ -204,7 +220,7 @@ def reference_free_trl(trainer_class, config_class, pretrained: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("sft_weight", [0.0, 1.0])
-def test_simpo_equals_trls_cpo_trainer_with_loss_type_simpo(sft_weight, pretrained, tmp_path):
+def test_simpo_equals_trls_cpo_trainer_with_loss_type_simpo(sft_weight, pretrained, tmp_path, trl):
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
     from src.objectives.preference import SimPO
@@ -216,7 +232,7 @@ def test_simpo_equals_trls_cpo_trainer_with_loss_type_simpo(sft_weight, pretrain
                                "logps/chosen", "logps/rejected"])
 
 
-def test_orpo_equals_trls_orpo_trainer(pretrained, tmp_path):
+def test_orpo_equals_trls_orpo_trainer(pretrained, tmp_path, trl):
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     from src.objectives.preference import ORPO
@@ -448,3 +464,19 @@ def test_dpo_steps_make_no_host_reads_between_logging_steps(tmp_path, reference)
         script="tests/host_reads.py", launcher="torchrun", env={"HOST_READS_FILE": str(tmp_path / "reads")})
     reads = json.loads((tmp_path / "reads.0").read_text())
     assert len(reads) == 11 and not any(reads.values()), {step: r for step, r in reads.items() if r}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reference", ["copy", "precomputed"])
+def test_dpo_steps_make_no_cuda_sync_in_bf16_compiled_training(tmp_path, reference):
+    """On a GPU, the same as the host-read test above with CUDA's own sync detector set to raise: the reference's
+    pass under autocast, the table lookup and the metrics' sums never wait for the device."""
+    run([*TINY_GPT, "data=jsonl", f"data.path={PAIRS_FILE}", "data.preference=true", "objective=dpo",
+         f"objective.reference={reference}", "trainer.max_steps=12", "trainer.log_every=5", "trainer.eval_every=6",
+         "trainer.checkpoint_every=4", "trainer.eval_batches=2", "data.batch_size=4", "optimizer.fused=true",
+         "trainer.mixed_precision=bf16", "trainer.compile=true", f"hydra.run.dir={tmp_path / 'run'}"],
+        script="tests/host_reads.py", launcher="torchrun",
+        env={**GPU_ENV, "HOST_READS_FILE": str(tmp_path / "reads"), "HOST_READS_CUDA_SYNC": "error"})
+    reads = json.loads((tmp_path / "reads.0").read_text())
+    assert not any(reads.values()), reads
+    assert "device                      : cuda" in (tmp_path / "run" / "train.log").read_text()
