@@ -22,7 +22,6 @@ from tests.conftest import (
     scalars,
 )
 
-
 PAIRS_FILE = ROOT / "data" / "shakespeare_pairs.jsonl"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
