@@ -31,7 +31,8 @@ class Objective:
         self.target_key = target_key
 
     def count(self, targets: torch.Tensor) -> torch.Tensor:
-        """How many targets `loss_sum` sums over (a scalar tensor; known before the forward pass)."""
+        """How many targets `loss_sum` sums over (a scalar tensor, or one per term where model_loss_sum returns
+        several; known before the forward pass)."""
         raise NotImplementedError
 
     def throughput_count(self, targets: torch.Tensor) -> torch.Tensor:
