@@ -62,14 +62,18 @@ def test_the_parity_benchmarks_hand_written_loop_trains_the_templates_weights_bi
 
 
 @pytest.mark.slow
-def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu():
+@pytest.mark.parametrize("template_data", ["tokens", "shards"])
+def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data):
     """`gpu` is measured only on a day a GPU is lent: its dry run (CPU, a small model, no nanoGPT checkout, which
-    CI has not) keeps the template's side runnable until then: the runs, their timing and the first-step time."""
+    CI has not) keeps the template's side runnable until then: the runs, their timing, the data wait and the
+    first-step time, reading the tokens as one file or as the FineWeb recipe's prepared shards."""
     report = benchmark_report(["gpu", "--device", "cpu", "--mixed-precision", "no", "--model-shape", "1,2,32,64",
-                               "--shapes", "2x1", "--modes", "eager", "--steps", "30"])
+                               "--shapes", "2x1", "--modes", "eager", "--steps", "30",
+                               "--template-data", template_data])
     entry = report["2x1 eager"]
     assert list(entry) == ["template"] and entry["template"]["ms_per_step"] > 0, report
     assert entry["template"]["tokens_per_s"] > 0 and report["template_first_step_s"]["eager"] > 0, report
+    assert 0 <= entry["template"]["data_wait_share"] < 1 and report["template_data"] == template_data, report
 
 
 @pytest.mark.slow

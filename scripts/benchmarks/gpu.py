@@ -59,9 +59,36 @@ def per_step(stamps: list[tuple[int, float]]) -> float:
 
 def template_model_and_data(args, bin_file: Path) -> list[str]:
     """What every template run of this benchmark is, and what its FLOP count is computed on: one list, so they
-    cannot differ (the FLOP count's copy once lacked the validation fraction and failed at GPT-2's block size)."""
+    cannot differ (the FLOP count's copy once lacked the validation fraction and failed at GPT-2's block size).
+    --template-data shards: the FineWeb recipe's loader (data=shards) on the same tokens, prepared beside the file."""
+    if args.template_data == "shards":
+        return ["experiment=fineweb_gpt2", *model_shape(args), f"data.path={shards_beside(bin_file)}"]
     return ["experiment=owt_tokens", *model_shape(args), f"data.path={bin_file}", "data.vocab_size=50304",
             "data.val_fraction=0.05"]
+
+
+def shards_beside(bin_file: Path) -> Path:
+    return bin_file.with_suffix(".shards")
+
+
+def write_shards(tokens, folder: Path, val_fraction: float = 0.05) -> None:
+    """The tokens as scripts/prepare_data.py lays a prepared folder out: one shard and one document per split, the
+    validation the same last 5 % as nanoGPT's val.bin here (vocab 50304, as both sides are told)."""
+    import numpy as np
+
+    from src.data.shards import FORMAT, MANIFEST
+    from src.data.tokenizer import Codec
+
+    folder.mkdir()
+    split = int(len(tokens) * (1 - val_fraction))
+    splits = {}
+    for name, part in (("train", tokens[:split]), ("validation", tokens[split:])):
+        part.astype(np.uint16).tofile(folder / f"{name}_00000.ds")
+        np.array([len(part)], dtype=np.uint64).tofile(folder / f"{name}_00000.ds.index")
+        splits[name] = [{"file": f"{name}_00000.ds", "tokens": len(part), "documents": 1, "digest": "benchmark"}]
+    Codec("byte").save(folder)
+    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "dtype": "uint16", "vocab_size": 50304,
+                                               "tokenizer": "bytes", "loss_masks": False, "splits": splits}))
 
 
 def compile_overrides(args, compiled: bool) -> list[str]:
@@ -81,10 +108,12 @@ def gpu_template(args, batch: int, accumulation: int, compiled: bool, run_dir: P
     events = scalars(run_dir, "train/loss")
     summary = json.loads((run_dir / "summary.json").read_text())
     memory = summary["peak_memory_gib"]
+    waits = [e.value for e in scalars(run_dir, "train/data_wait") if e.step >= GPU_WARMUP_STEPS]
     # The final evaluation (2 batches): with trainer.compile, almost all of it is compiling the evaluation graph.
     return {"step_s": per_step([(e.step, e.wall_time) for e in events]),
             "peak_memory_gib": memory.get("cuda", memory["rss_max_over_ranks"]),
-            "evaluation_s": summary["time_s"]["of which evaluation"]}
+            "evaluation_s": summary["time_s"]["of which evaluation"],
+            "data_wait_share": median(waits) if waits else None}
 
 
 def gpu_nanogpt(args, batch: int, accumulation: int, compiled: bool, work: Path) -> dict:
@@ -126,12 +155,13 @@ def gpu(args) -> dict:
     peak = args.peak_tflops or peak_tflops(device, args.mixed_precision, None)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "model_shape": args.model_shape, "peak_tflops": peak,
-              "template_compile_mode": args.compile_mode}
+              "template_compile_mode": args.compile_mode, "template_data": args.template_data}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         tokens = np.frombuffer((ROOT / "data" / "tinyshakespeare.txt").read_bytes(), dtype=np.uint8).astype(np.uint16)
         bin_file = tmp / "bytes.bin"
         tokens.tofile(bin_file)
+        write_shards(tokens, shards_beside(bin_file))
         work = tmp / "nanoGPT" if args.nanogpt else None
         if work:
             shutil.copytree(Path(args.nanogpt).resolve(), work, ignore=shutil.ignore_patterns(".git", "out*"))
@@ -164,6 +194,9 @@ def gpu(args) -> dict:
                                    "mfu": round(flops * tokens_per_step / step_s / (peak * 1e12), 4) if peak else None,
                                    "peak_memory_gib": round(max(r["peak_memory_gib"] for r in results), 2)}
                 entry["template"]["final_evaluation_s"] = round(max(r["evaluation_s"] for r in runs["template"]), 2)
+                waits = [r["data_wait_share"] for r in runs["template"] if r["data_wait_share"] is not None]
+                # train/data_wait: the share of the logged steps' time spent waiting for batches, after the warm-up
+                entry["template"]["data_wait_share"] = round(median(waits), 5) if waits else None
                 if work:
                     ours, theirs = entry["template"]["tokens_per_s"], entry["nanogpt"]["tokens_per_s"]
                     entry["tokens_per_s_ratio"] = round(ours / theirs, 3)
@@ -186,6 +219,9 @@ def add_commands(commands) -> dict:
     g.add_argument("--model-shape", default=GPT2_SHAPE, help="n_layer,n_head,n_embd,block_size")
     g.add_argument("--device", default="cuda", help="cpu: a dry run of the plumbing with a small --model-shape")
     g.add_argument("--mixed-precision", default="bf16", choices=["bf16", "no"])
+    g.add_argument("--template-data", default="tokens", choices=["tokens", "shards"],
+                   help="the template reads the tokens as one file (data=tokens, experiment=owt_tokens) or as "
+                        "prepared shards (data=shards, experiment=fineweb_gpt2)")
     g.add_argument("--compile-mode", default="default", choices=typing.get_args(CompileMode),
                    help="the template's trainer.compile_mode in the compiled runs (nanoGPT's stays torch's default)")
     return {"gpu": gpu}
