@@ -42,6 +42,9 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=1, help="processes tokenizing at once")
     parser.add_argument("--tasks", type=int, help="files per split, each a contiguous share of the rows "
                                                   "(default: --workers)")
+    parser.add_argument("--no-fast-bpe", dest="fast_bpe", action="store_false",
+                        help="tokenize plain text with tokenizers alone (by default a byte-level BPE's plain text goes "
+                             "through tiktoken, 3x faster, the same ids, checked against tokenizers as it goes)")
     parser.add_argument("--val-fraction", type=float, default=0.01, help="the share of documents held out")
     parser.add_argument("--seed", type=int, default=0, help="which documents are held out")
     parser.add_argument("--node", type=int, default=int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)),
@@ -69,7 +72,7 @@ def main() -> int:
                     args.split, args.subset)
     try:
         manifest = prepare(source, args.out, args.workers, args.tasks, args.val_fraction, args.seed, args.node,
-                           args.nodes)
+                           args.nodes, args.fast_bpe)
     except (UsageError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -81,6 +84,15 @@ def main() -> int:
         tokens = sum(shard["tokens"] for shard in manifest["splits"][split])
         documents = sum(shard["documents"] for shard in manifest["splits"][split])
         print(f"{split}: {tokens:,} tokens in {documents:,} documents, {len(manifest['splits'][split])} files")
+    tasks = manifest["splits"]["train"]
+    by_twin = sum(task.get("encoder") == "tiktoken" for task in tasks)
+    if by_twin:
+        checked = sum(task["documents checked against tokenizers"] for split in manifest["splits"].values()
+                      for task in split if task.get("encoder") == "tiktoken")
+        print(f"{by_twin} of {len(tasks)} tasks tokenized by tiktoken ({checked:,} documents checked against "
+              "tokenizers: the same ids)")
+    for why in sorted({task["why"] for task in tasks if task.get("encoder") == "tokenizers"}):
+        print(f"tokenized by tokenizers: {why}")
     print(f"wrote {args.out} ({manifest['dtype']} ids, vocabulary {manifest['vocab_size']:,}); train on it with "
           f"data=shards data.path={args.out}")
     return 0

@@ -59,6 +59,8 @@ def synthetic_corpus(path: Path, characters: int, seed: int = 0) -> Path:
 def tokenizer_throughput(tokenizer_file: Path, corpus: Path, documents: int = 20_000) -> dict:
     from tokenizers import Tokenizer
 
+    from src.data.fast_bpe import tiktoken_twin
+
     os.environ["RAYON_NUM_THREADS"] = "1"  # read when the pool starts: one thread, as one worker would
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     with open(corpus) as lines:
@@ -67,10 +69,17 @@ def tokenizer_throughput(tokenizer_file: Path, corpus: Path, documents: int = 20
     tokens = sum(len(tokenizer.encode(text).ids) for text in texts)
     one_by_one = tokens / (time.perf_counter() - started)
     started = time.perf_counter()
-    tokens = sum(len(encoding.ids) for encoding in tokenizer.encode_batch(texts))
+    ids = [encoding.ids for encoding in tokenizer.encode_batch(texts)]
     batch = tokens / (time.perf_counter() - started)
-    return {"encode_tokens_per_s": round(one_by_one), "encode_batch_tokens_per_s": round(batch),
-            "characters_per_token": round(sum(map(len, texts)) / tokens, 2)}
+    report = {"encode_tokens_per_s": round(one_by_one), "encode_batch_tokens_per_s": round(batch),
+              "characters_per_token": round(sum(map(len, texts)) / tokens, 2)}
+    twin, why = tiktoken_twin(tokenizer)  # what the preparation encodes plain text with, where it can
+    if twin is None:
+        return {**report, "tiktoken twin": why}
+    started = time.perf_counter()
+    twins = twin.encode_batch(texts)
+    return {**report, "tiktoken_twin_tokens_per_s": round(tokens / (time.perf_counter() - started)),
+            "tiktoken_twin_same_ids": twins == ids}
 
 
 def synthetic_shards(folder: Path, tokens: int, vocab: int = 8192, files: int = 4) -> Path:
@@ -122,11 +131,11 @@ def loader_tokens_per_s(data, batches: int) -> dict:
             "batch_shape": list((first["input_ids"] if isinstance(first, dict) else first[0]).shape)}
 
 
-def prepare_timed(source: Path, out: Path, tokenizer: Path, workers: int) -> dict:
+def prepare_timed(source: Path, out: Path, tokenizer: Path, workers: int, *flags: str) -> dict:
     """scripts/prepare_data.py on `workers` workers (two tasks each), timed as a whole command."""
     started = time.time()
     run([sys.executable, "scripts/prepare_data.py", str(source), str(out), "--tokenizer", str(tokenizer),
-         "--workers", str(workers), "--tasks", str(2 * workers)])
+         "--workers", str(workers), "--tasks", str(2 * workers), *flags])
     seconds = time.time() - started
     manifest = json.loads((out / "manifest.json").read_text())
     tokens = sum(s["tokens"] for split in manifest["splits"].values() for s in split)
@@ -157,6 +166,9 @@ def data(args) -> dict:
                 report[f"prepare, {workers} worker(s)"] = prepare_timed(corpus, out, tokenizer, workers)
                 if workers == 2:
                     shutil.rmtree(out)
+            out = tmp / "prepared_tokenizers"  # the same, plain text by tokenizers alone (--no-fast-bpe)
+            report["prepare, 1 worker(s), tokenizers alone"] = prepare_timed(corpus, out, tokenizer, 1, "--no-fast-bpe")
+            shutil.rmtree(out)
         if "tiny" in parts:  # tiny Shakespeare, a line a document: the preparation's fixed costs, a small corpus
             tiny = ROOT / "data" / "tinyshakespeare.txt"
             for workers in (1, 2):

@@ -7,6 +7,7 @@ tokenized_documents), so prompt/completion and chat data keep their label masks 
 """
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -16,12 +17,14 @@ from typing import Any, Optional
 import numpy as np
 
 from src.checkpointing.checksums import whole_file_digest
+from src.data.fast_bpe import CheckedTwin, TwinDiffers, tiktoken_twin
 from src.data.jsonl import IGNORE_INDEX, tokenized_documents
 from src.data.shards import FORMAT, MANIFEST, SPLITS, token_dtype
 from src.data.text import _mix
 from src.data.tokenizer import codec_for
 from src.errors import UsageError
 
+log = logging.getLogger(__name__)
 RECORDS = "tasks"  # one JSON per finished task and split: its file's tokens, documents and digests
 
 
@@ -71,42 +74,70 @@ class TokenizeTask:
     val_fraction: float
     seed: int
     batch_rows: int = 1000
+    fast_bpe: bool = True  # plain text through tiktoken where it twins the tokenizer (src/data/fast_bpe.py)
+    check_every: int = 32  # the twin's documents compared with tokenizers' ids: one in check_every
 
     def __call__(self, data: Any, rank: int = 0, world_size: int = 1) -> None:
-        from datatrove.pipeline.tokens.tokenizer import TokenizedFile
-
         rows, codec = self.source.rows(), self.source.codec()
-        dtype = token_dtype(codec.vocab_size)
         masks = self.source.prompt_column is not None or _holds_conversations(rows, self.source.text_column)
         share, extra = divmod(len(rows), world_size)
         start = rank * share + min(rank, extra)
         stop = start + share + (rank < extra)
-        files = {split: TokenizedFile(self.out, f"{split}_{rank:05d}.ds", save_index=True, save_loss_metadata=masks,
-                                      token_size=dtype.itemsize) for split in SPLITS}
-        for first in range(start, stop, self.batch_rows):
-            batch = rows[first : min(stop, first + self.batch_rows)]
-            texts = batch[self.source.text_column]
-            prompts = batch[self.source.prompt_column] if self.source.prompt_column else None
-            validates = [held_out(first + i, self.seed, self.val_fraction) for i in range(len(texts))]
-            for split in SPLITS:
-                keep = [i for i, held in enumerate(validates) if held == (split == "validation")]
-                ids, labels = tokenized_documents(codec, [texts[i] for i in keep],
-                                                  [prompts[i] for i in keep] if prompts is not None else None)
-                for n, document in enumerate(ids):
-                    files[split].write_bytes(np.asarray(document, dtype=dtype).tobytes())
-                    if masks:  # prompts and chats: labels, -100 where a token is no target
-                        trained = np.asarray(labels[n]) != IGNORE_INDEX
-                        files[split].write_loss_bytes(trained.astype(np.uint8).tobytes())
+        twin, why = None, "prompts and chats need tokenizers' offsets" if masks else "--no-fast-bpe"
+        if self.fast_bpe and not masks and codec.kind == "tokenizer":
+            twin, why = tiktoken_twin(codec.tokenizer)
+        files = None
+        encoder = {"encoder": "tokenizers", "why": why} if codec.kind == "tokenizer" else {"encoder": codec.kind}
+        if twin is not None:
+            checked = CheckedTwin(twin, codec, self.check_every)
+            try:
+                files = self._tokenize(rows, checked, codec, masks, start, stop, rank)
+                encoder = {"encoder": "tiktoken", "documents checked against tokenizers": checked.checked}
+            except TwinDiffers as differs:  # the whole task again: the twin's earlier documents were not all checked
+                log.warning("task %d: tiktoken differs from the tokenizer (%s); tokenizing with tokenizers alone",
+                            rank, differs)
+                encoder = {"encoder": "tokenizers", "why": f"tiktoken differed: {differs}"}
+        if files is None:
+            files = self._tokenize(rows, codec, codec, masks, start, stop, rank)
         records = Path(self.out) / RECORDS
         records.mkdir(exist_ok=True)
         for split, file in files.items():
             file.close()
             path = Path(self.out) / file.filename
             record = {"file": path.name, "tokens": len(file), "documents": len(file.doc_ends), "rows": [start, stop],
-                      "digest": whole_file_digest(path)}
+                      "digest": whole_file_digest(path), **encoder}
             if masks:
                 record["loss digest"] = whole_file_digest(path.with_name(path.name + ".loss"))
             (records / f"{split}_{rank:05d}.json").write_text(json.dumps(record))
+
+    def _tokenize(self, rows: Any, encoder: Any, codec: Any, masks: bool, start: int, stop: int, rank: int) -> dict:
+        """Rows [start, stop) into one open token file per split; `encoder` encodes plain text (the codec, or the
+        checked twin), `codec` the rest."""
+        from datatrove.pipeline.tokens.tokenizer import TokenizedFile
+
+        dtype = token_dtype(codec.vocab_size)
+        files = {split: TokenizedFile(self.out, f"{split}_{rank:05d}.ds", save_index=True, save_loss_metadata=masks,
+                                      token_size=dtype.itemsize) for split in SPLITS}
+        try:
+            for first in range(start, stop, self.batch_rows):
+                batch = rows[first : min(stop, first + self.batch_rows)]
+                texts = batch[self.source.text_column]
+                prompts = batch[self.source.prompt_column] if self.source.prompt_column else None
+                validates = [held_out(first + i, self.seed, self.val_fraction) for i in range(len(texts))]
+                for split in SPLITS:
+                    keep = [i for i, held in enumerate(validates) if held == (split == "validation")]
+                    ids, labels = tokenized_documents(encoder, [texts[i] for i in keep],
+                                                      [prompts[i] for i in keep] if prompts is not None else None)
+                    for n, document in enumerate(ids):
+                        files[split].write_bytes(np.asarray(document, dtype=dtype).tobytes())
+                        if masks:  # prompts and chats: labels, -100 where a token is no target
+                            trained = np.asarray(labels[n]) != IGNORE_INDEX
+                            files[split].write_loss_bytes(trained.astype(np.uint8).tobytes())
+        except TwinDiffers:
+            for file in files.values():
+                file.close()  # the files are opened anew ("wb") by the run without the twin
+            raise
+        return files
 
 
 def _holds_conversations(rows: Any, column: str) -> bool:
@@ -114,9 +145,10 @@ def _holds_conversations(rows: Any, column: str) -> bool:
 
 
 def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = None, val_fraction: float = 0.01,
-            seed: int = 0, node: int = 0, nodes: int = 1) -> Optional[dict]:
+            seed: int = 0, node: int = 0, nodes: int = 1, fast_bpe: bool = True) -> Optional[dict]:
     """Tokenize `source` into `out` on `workers` processes, `tasks` files per split (default: one per worker);
-    with `nodes` > 1 (a SLURM array), this node's share of the tasks only. The manifest is written by whichever
+    with `nodes` > 1 (a SLURM array), this node's share of the tasks only. `fast_bpe`: plain text through
+    tiktoken where it twins the tokenizer (the same ids, checked as it goes). The manifest is written by whichever
     node finds every task finished at its end, from the tasks' records; returned, or None while tasks remain."""
     from datatrove.executor import LocalPipelineExecutor
 
@@ -132,7 +164,7 @@ def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = 
     settings_file.write_text(json.dumps(settings, indent=2))
     codec = source.codec()
     rows = source.rows()  # here first: a bad path or column is named before any worker starts
-    task = TokenizeTask(source, str(out), val_fraction, seed)
+    task = TokenizeTask(source, str(out), val_fraction, seed, fast_bpe=fast_bpe)
     first, last = node * tasks // nodes, (node + 1) * tasks // nodes  # this node's tasks: [first, last)
     workers = min(workers, last - first)
     # Each worker's tokenizer batches on threads (tokenizers' rayon pool, sized when a process first uses it): this
