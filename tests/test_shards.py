@@ -121,6 +121,36 @@ def test_packed_shards_hold_every_document_whole_once_attending_to_itself_with_t
             ShardData(path=str(speeches), block_size=block, batch_size=4, **wrong)
 
 
+def test_a_packing_plan_is_computed_once_then_read_memory_mapped_giving_the_same_samples(speeches, tmp_path):
+    """The plan (which documents make each block) costs a pass over the `.ds.index` files: the first start saves it
+    in the folder's plans/, later starts map it, so that a start reads nothing per document."""
+    from src.data.shards import PLANS, ShardData
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for file in speeches.iterdir():
+        if file.is_file():
+            (folder / file.name).write_bytes(file.read_bytes())
+
+    def samples(data) -> list:
+        return [{key: value.tolist() for key, value in data.train[i].items()} for i in range(len(data.train))]
+
+    first = ShardData(path=str(folder), block_size=64, batch_size=4, packing=True)
+    assert first.train.plan_from is None and len(list((folder / PLANS).iterdir())) == 2  # train and validation
+    second = ShardData(path=str(folder), block_size=64, batch_size=4, packing=True)
+    assert second.train.plan_from is not None and isinstance(second.train.starts, np.memmap)
+    assert samples(second) == samples(first) and len(second.val) == len(first.val)
+    assert "read from" in second.train.summary(64, False) and first.train.summary(64, False) in \
+        second.train.summary(64, False)
+    ShardData(path=str(folder), block_size=64, batch_size=4, packing=False)  # another layout, other plans
+    assert len(list((folder / PLANS).iterdir())) == 4
+    starts = second.train.plan_from / "starts.npy"
+    starts.write_bytes(starts.read_bytes()[:-8])  # damaged: computed again, the same, and saved whole again
+    third = ShardData(path=str(folder), block_size=64, batch_size=4, packing=True)
+    assert third.train.plan_from is None and samples(third) == samples(first)
+    assert ShardData(path=str(folder), block_size=64, batch_size=4, packing=True).train.plan_from is not None
+
+
 def test_a_models_validation_loss_on_shards_is_the_same_packed_or_padded_on_one_and_two_processes(speeches, tmp_path):
     run(shard_args(speeches, tmp_path / "run", "trainer.max_steps=10", samples="data.random_windows=false"))
     losses = {}

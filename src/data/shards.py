@@ -11,8 +11,11 @@ that a run decodes, samples and exports without the source.
 
 import bisect
 import functools
+import hashlib
 import json
 import logging
+import os
+import shutil
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -130,43 +133,92 @@ def document_ends(folder: Path, manifest: dict, split: str, key: str = "data.pat
     return np.concatenate(ends)
 
 
+PLANS = "plans"  # the prepared folder's cache of packing plans, one per split and layout
+PLAN_ARRAYS = ("starts", "lengths", "bounds")
+
+
+def packing_plan(ends: np.ndarray, block_size: int, pack: bool, split_long: bool) -> dict[str, Any]:
+    """Which pieces of the stream make each sample: documents (truncated to block_size, or with `split_long` cut
+    into documents of block_size), packed best fit within groups of GROUP consecutive documents (`pack`) or one a
+    sample. 16 bytes a document, 8 a sample."""
+    starts = np.concatenate([[0], ends[:-1]])
+    lengths = ends - starts
+    cut = int((lengths > block_size).sum())
+    if split_long:
+        counts = np.maximum(1, -(-lengths // block_size))
+        document = np.repeat(np.arange(len(lengths)), counts)
+        within = np.arange(len(document)) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = starts[document] + within * block_size
+        lengths = np.minimum(block_size, ends[document] - starts)
+    else:
+        lengths = np.minimum(lengths, block_size)
+    starts, lengths = starts[lengths > 0], lengths[lengths > 0]
+    order, bounds = np.arange(len(starts)), np.arange(len(starts) + 1)
+    if pack:  # best fit within groups of consecutive documents: the same blocks however long the corpus
+        order, bounds = [], [0]
+        for group in range(0, len(lengths), GROUP):
+            for block in best_fit(lengths[group : group + GROUP].tolist(), block_size):
+                order += [group + piece for piece in block]
+                bounds.append(len(order))
+    return {"starts": starts[order].astype(np.int64), "lengths": lengths[order].astype(np.int64),
+            "bounds": np.asarray(bounds, dtype=np.int64),
+            "summary": {"pieces": len(order), "tokens": int(lengths.sum()), "cut": cut}}
+
+
+def cached_packing_plan(folder: Path, manifest: dict, split: str, block_size: int, pack: bool,
+                        split_long: bool) -> dict[str, Any]:
+    """The packing plan, memory-mapped from the folder's plans/ when an earlier run saved it for these shards and
+    this layout (so that a start reads nothing per document), else computed from the `.ds.index` files and saved
+    there by the main process, where the folder is writable. Saved with numpy's format, never a pickle."""
+    key = {"shards": [[shard["file"], shard["digest"], shard["tokens"], shard["documents"]]
+                      for shard in manifest["splits"][split]],
+           "block_size": block_size, "pack": pack, "split_long": split_long, "group": GROUP, "version": 1}
+    where = folder / PLANS / f"{split}-{hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()}"
+    try:
+        meta = json.loads((where / "plan.json").read_text())
+        if meta["key"] == key:
+            plan = {name: np.load(where / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in PLAN_ARRAYS}
+            if len(plan["starts"]) == len(plan["lengths"]) == plan["bounds"][-1] == meta["summary"]["pieces"]:
+                return {**plan, "summary": meta["summary"], "from": where}
+    except (OSError, ValueError, KeyError, IndexError):
+        pass  # none yet, or one damaged: computed again
+    plan = packing_plan(document_ends(folder, manifest, split), block_size, pack, split_long)
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        partial = where.with_name(f"{where.name}.partial-{os.getpid()}")
+        try:  # complete or absent: the folder appears whole, by one rename
+            shutil.rmtree(where, ignore_errors=True)  # a damaged one (a whole one was returned above)
+            partial.mkdir(parents=True, exist_ok=True)
+            for name in PLAN_ARRAYS:
+                np.save(partial / f"{name}.npy", plan[name], allow_pickle=False)
+            (partial / "plan.json").write_text(json.dumps({"key": key, "summary": plan["summary"]}))
+            partial.rename(where)
+        except OSError as error:  # a read-only folder, or another run saved it first
+            shutil.rmtree(partial, ignore_errors=True)
+            log.debug("packing plan not saved in %s: %s", where, error)
+    return plan
+
+
 class PackedDocuments(Dataset):
     """Whole documents of a token stream as samples: packed best fit into blocks of block_size (`pack`), each
     document with positions from 0, or one document per sample. Labels are next-token targets that never cross a
     document's end (so its first token is never one, as in a padded batch) and skip tokens the loss mask leaves
     out. A document longer than block_size is truncated, or with `split_long` cut into documents of block_size.
-    The plan (which pieces of the stream make a block) costs 16 bytes a document; tokens are read per sample."""
+    `plan`: packing_plan's, or cached_packing_plan's (memory-mapped); tokens are read per sample."""
 
-    def __init__(self, tokens: Concatenated, masks: Optional[Concatenated], ends: np.ndarray, block_size: int,
-                 pack: bool, split_long: bool):
+    def __init__(self, tokens: Concatenated, masks: Optional[Concatenated], plan: dict[str, Any], pack: bool):
         self.tokens, self.masks, self.pack = tokens, masks, pack
-        starts = np.concatenate([[0], ends[:-1]])
-        lengths = ends - starts
-        self.cut = int((lengths > block_size).sum())
-        if split_long:
-            counts = np.maximum(1, -(-lengths // block_size))
-            document = np.repeat(np.arange(len(lengths)), counts)
-            within = np.arange(len(document)) - np.repeat(np.cumsum(counts) - counts, counts)
-            starts = starts[document] + within * block_size
-            lengths = np.minimum(block_size, ends[document] - starts)
-        else:
-            lengths = np.minimum(lengths, block_size)
-        starts, lengths = starts[lengths > 0], lengths[lengths > 0]
-        order, bounds = np.arange(len(starts)), np.arange(len(starts) + 1)
-        if pack:  # best fit within groups of consecutive documents: the same blocks however long the corpus
-            order, bounds = [], [0]
-            for group in range(0, len(lengths), GROUP):
-                for block in best_fit(lengths[group : group + GROUP].tolist(), block_size):
-                    order += [group + piece for piece in block]
-                    bounds.append(len(order))
-        self.starts, self.lengths = starts[order], lengths[order]
-        self.bounds = np.asarray(bounds, dtype=np.int64)
+        self.starts, self.lengths, self.bounds = plan["starts"], plan["lengths"], plan["bounds"]
+        self.plan_summary, self.plan_from = plan["summary"], plan.get("from")
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
 
     def summary(self, block_size: int, split_long: bool) -> str:
-        return summary_line(len(self.starts), len(self), int(self.lengths.sum()), self.cut, block_size, split_long)
+        line = summary_line(self.plan_summary["pieces"], len(self), self.plan_summary["tokens"],
+                            self.plan_summary["cut"], block_size, split_long)
+        return line + (f" (the plan read from {self.plan_from})" if self.plan_from else "")
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids, labels, positions = [], [], []
@@ -220,8 +272,9 @@ class ShardData(WindowStream):
         if whole:
             split_long = long_documents == "split"
             self.train, self.val = (
-                PackedDocuments(tokens, masks, document_ends(self.folder, self.manifest, split), self.block_size,
-                                pack=packing is True, split_long=split_long)
+                PackedDocuments(tokens, masks, cached_packing_plan(self.folder, self.manifest, split, self.block_size,
+                                                                   pack=packing is True, split_long=split_long),
+                                pack=packing is True)
                 for split, tokens, masks in (("train", train, train_masks), ("validation", val, val_masks)))
             self.collate_fn = pad_packed if packing is True else functools.partial(pad_right, pad_id=0)
             self.attends_per_document = packing is True  # the model must read documents from position_ids
