@@ -151,6 +151,37 @@ def test_a_packing_plan_is_computed_once_then_read_memory_mapped_giving_the_same
     assert ShardData(path=str(folder), block_size=64, batch_size=4, packing=True).train.plan_from is not None
 
 
+def mapping_flags(paths: set[str]) -> dict[str, list[str]]:
+    """The kernel's flags (smaps' VmFlags) of this process's mappings of the given files."""
+    flags, current = {}, None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):  # a mapping's header line
+            current = fields[5] if len(fields) > 5 and fields[5] in paths else None
+        elif current and fields[0] == "VmFlags:":
+            flags.setdefault(current, []).append(" ".join(fields[1:]))
+    return flags
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="the kernel's mapping flags: Linux only")
+def test_token_files_are_mapped_for_random_reads_so_a_window_pulls_in_no_read_ahead(speeches, tmp_path):
+    """Windows are read in a shuffled order: with the kernel's read-ahead each one would read megabytes around it
+    (RSS and disk reads growing with the corpus). `rr` is VM_RAND_READ, what madvise(MADV_RANDOM) sets."""
+    from src.data.shards import ShardData
+    from src.data.text import TokenData
+
+    shards = ShardData(path=str(speeches), block_size=64, batch_size=4)
+    manifest = json.loads((speeches / "manifest.json").read_text())
+    files = {str(speeches / shard["file"]) for split in manifest["splits"].values() for shard in split}
+    flags = mapping_flags(files)
+    assert set(flags) == files and all("rr" in f.split() for found in flags.values() for f in found), flags
+    bin_file = tmp_path / "tokens.bin"
+    np.arange(5000, dtype=np.uint16).tofile(bin_file)
+    tokens = TokenData(path=str(bin_file), vocab_size=5000, block_size=64, batch_size=4)
+    assert all("rr" in f.split() for f in mapping_flags({str(bin_file)})[str(bin_file)])
+    del shards, tokens
+
+
 def test_a_models_validation_loss_on_shards_is_the_same_packed_or_padded_on_one_and_two_processes(speeches, tmp_path):
     run(shard_args(speeches, tmp_path / "run", "trainer.max_steps=10", samples="data.random_windows=false"))
     losses = {}

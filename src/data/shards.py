@@ -27,7 +27,7 @@ from src.data.base import model_size
 from src.data.jsonl import IGNORE_INDEX, pad_right
 from src.data.packing import best_fit, pad_packed, summary_line
 from src.data.sampling import Permutation
-from src.data.text import TokenWindows, WindowStream
+from src.data.text import TokenWindows, WindowStream, random_access_memmap
 from src.data.tokenizer import Codec
 from src.errors import UsageError
 from src.schema.signature import Arg
@@ -114,7 +114,7 @@ def open_split(folder: Path, manifest: dict, split: str, key: str = "data.path")
                 raise UsageError(f"{key}={folder}: {path.name} holds {path.stat().st_size} bytes where the manifest "
                                  f"says {shard['tokens']} tokens of {width} bytes: prepare the folder again")
             if shard["tokens"]:
-                arrays.append(np.memmap(path, dtype=dtype if width > 1 else np.uint8, mode="r"))
+                arrays.append(random_access_memmap(path, dtype if width > 1 else np.uint8))
     return Concatenated(tokens), Concatenated(masks) if manifest["loss_masks"] else None
 
 
