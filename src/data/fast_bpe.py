@@ -34,8 +34,11 @@ class TiktokenTwin:
         self.threads = int(os.environ.get("RAYON_NUM_THREADS", "1"))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        ids = self.encoding.encode_batch(texts, num_threads=self.threads, allowed_special="all",
-                                         disallowed_special=())
+        if self.threads > 1:
+            ids = self.encoding.encode_batch(texts, num_threads=self.threads, allowed_special="all",
+                                             disallowed_special=())
+        else:  # its batch call hands each text to a thread pool: 0.2 s per 1,000 texts of overhead with one thread
+            ids = [self.encoding.encode(text, allowed_special="all", disallowed_special=()) for text in texts]
         return [[*self.prefix, *one, *self.suffix] for one in ids] if self.prefix or self.suffix else ids
 
 
