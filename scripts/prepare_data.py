@@ -45,6 +45,9 @@ def main() -> int:
     parser.add_argument("--no-fast-bpe", dest="fast_bpe", action="store_false",
                         help="tokenize plain text with tokenizers alone (by default a byte-level BPE's plain text goes "
                              "through tiktoken, 3x faster, the same ids, checked against tokenizers as it goes)")
+    parser.add_argument("--pack-for", type=int, nargs="+", default=[], metavar="BLOCK_SIZE",
+                        help="save the data.packing=true plan for these block sizes with the shards, so that a run's "
+                             "first start maps it instead of reading every document's end (later starts do anyway)")
     parser.add_argument("--val-fraction", type=float, default=0.01, help="the share of documents held out")
     parser.add_argument("--seed", type=int, default=0, help="which documents are held out")
     parser.add_argument("--node", type=int, default=int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)),
@@ -58,6 +61,8 @@ def main() -> int:
         parser.error(f"--val-fraction={args.val_fraction}: between 0 and 1, both excluded")
     if args.workers < 1 or (args.tasks is not None and args.tasks < 1):
         parser.error("--workers and --tasks: at least 1")
+    if any(size < 1 for size in args.pack_for):
+        parser.error(f"--pack-for {' '.join(map(str, args.pack_for))}: block sizes of at least 1 token")
     if args.cifar10:
         try:
             manifest = prepare_cifar10(Path(args.source), args.out)
@@ -72,7 +77,7 @@ def main() -> int:
                     args.split, args.subset)
     try:
         manifest = prepare(source, args.out, args.workers, args.tasks, args.val_fraction, args.seed, args.node,
-                           args.nodes, args.fast_bpe)
+                           args.nodes, args.fast_bpe, args.pack_for)
     except (UsageError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

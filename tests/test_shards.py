@@ -151,6 +151,22 @@ def test_a_packing_plan_is_computed_once_then_read_memory_mapped_giving_the_same
     assert ShardData(path=str(folder), block_size=64, batch_size=4, packing=True).train.plan_from is not None
 
 
+def test_a_preparation_told_the_block_size_saves_its_packing_plan_so_even_the_first_start_reads_no_index(tmp_path):
+    from src.data.prepare import Source
+    from src.data.prepare import prepare as prepare_here
+    from src.data.shards import PLANS, ShardData, document_ends, packing_plan
+
+    out = tmp_path / "shards"
+    manifest = prepare_here(Source(str(ROOT / "data" / "shakespeare_speeches.jsonl")), out, tasks=2,
+                            val_fraction=0.1, pack_for=[64])
+    assert len(list((out / PLANS).iterdir())) == 2  # training's and validation's
+    data = ShardData(path=str(out), block_size=64, batch_size=4, packing=True)
+    assert data.train.plan_from is not None and data.val.plan_from is not None
+    expected = packing_plan(document_ends(out, manifest, "train"), 64, pack=True, split_long=False)
+    for name in ("starts", "lengths", "bounds"):
+        assert np.array_equal(getattr(data.train, name), expected[name]), name
+
+
 def mapping_flags(paths: set[str]) -> dict[str, list[str]]:
     """The kernel's flags (smaps' VmFlags) of this process's mappings of the given files."""
     flags, current = {}, None

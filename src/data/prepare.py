@@ -12,14 +12,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from src.checkpointing.checksums import whole_file_digest
 from src.data.fast_bpe import CheckedTwin, TwinDiffers, tiktoken_twin
 from src.data.jsonl import IGNORE_INDEX, tokenized_documents
-from src.data.shards import FORMAT, MANIFEST, SPLITS, token_dtype
+from src.data.shards import FORMAT, MANIFEST, SPLITS, cached_packing_plan, token_dtype
 from src.data.text import _mix
 from src.data.tokenizer import codec_for
 from src.errors import UsageError
@@ -145,11 +145,14 @@ def _holds_conversations(rows: Any, column: str) -> bool:
 
 
 def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = None, val_fraction: float = 0.01,
-            seed: int = 0, node: int = 0, nodes: int = 1, fast_bpe: bool = True) -> Optional[dict]:
+            seed: int = 0, node: int = 0, nodes: int = 1, fast_bpe: bool = True,
+            pack_for: Sequence[int] = ()) -> Optional[dict]:
     """Tokenize `source` into `out` on `workers` processes, `tasks` files per split (default: one per worker);
     with `nodes` > 1 (a SLURM array), this node's share of the tasks only. `fast_bpe`: plain text through
-    tiktoken where it twins the tokenizer (the same ids, checked as it goes). The manifest is written by whichever
-    node finds every task finished at its end, from the tasks' records; returned, or None while tasks remain."""
+    tiktoken where it twins the tokenizer (the same ids, checked as it goes). `pack_for`: block sizes whose
+    data.packing=true plan is saved with the shards, so that no run's start reads the document index. The
+    manifest is written by whichever node finds every task finished at its end, from the tasks' records;
+    returned, or None while tasks remain."""
     from datatrove.executor import LocalPipelineExecutor
 
     tasks = tasks or workers
@@ -185,6 +188,9 @@ def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = 
                 "rows": len(rows), **settings, "splits": records}
     (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
     (out / (MANIFEST + ".tmp")).replace(out / MANIFEST)
+    for block_size in pack_for:
+        for split in SPLITS:
+            cached_packing_plan(out, manifest, split, block_size, pack=True, split_long=False)
     return manifest
 
 
