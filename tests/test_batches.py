@@ -85,3 +85,23 @@ def test_jsonl_documents_tokenize_by_bytes_characters_or_a_local_tokenizers_file
         assert int(batch["input_ids"].max()) < data.vocab_size
         sizes[name] = data.vocab_size
     assert sizes["byte"] == 256 and sizes["char"] < 100 and sizes[str(tmp_path / "tokenizer.json")] == 300
+
+
+def test_a_tokenizer_files_saved_truncation_and_padding_do_not_cut_or_pad_documents(tmp_path):
+    """A tokenizer.json saved with truncation (a 512-token encoder's export, say) would cut every document the
+    data options and the preparation tokenize; documents are cut to data.block_size by the template instead."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from src.data.tokenizer import codec_for
+
+    sample = ROOT / "data" / "shakespeare_speeches.jsonl"
+    tokenizer = tokenizers.Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train([str(sample)], trainers.BpeTrainer(vocab_size=300, special_tokens=["[PAD]", "[UNK]"]))
+    texts = ["to be or not to be " * 20, "that is the question"]
+    plain = [encoding.ids for encoding in tokenizer.encode_batch(texts)]
+    tokenizer.enable_truncation(8)
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert codec_for(str(tmp_path / "tokenizer.json")).encode_batch(texts) == plain and len(plain[0]) > 8

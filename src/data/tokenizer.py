@@ -9,6 +9,7 @@ transformers (requirements-extras.txt).
 
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -16,6 +17,7 @@ from typing import Any, Optional
 from src.errors import UsageError
 from src.models.hub import TOKENIZER_FILES, local_path
 
+log = logging.getLogger(__name__)
 FILE = "tokenizer.json"  # the name save_pretrained gives a fast tokenizer's file
 BUILT_IN_TOKENIZERS = ("byte", "char")  # data.tokenizer values that name no file
 REVISION = ("with a hub id as data.tokenizer: its branch, tag or commit (null: the newest, whose commit the run's "
@@ -46,9 +48,15 @@ def load_tokenizer(path: str, key: str = "data.tokenizer", instead: str = "", re
         raise UsageError(f"{key}={path} needs tokenizers: pip install -r requirements-extras.txt") from error
     file = tokenizer_file(path, key, instead, revision)
     try:
-        return Tokenizer.from_file(str(file))
+        tokenizer = Tokenizer.from_file(str(file))
     except Exception as error:  # tokenizers raises a bare Exception on a malformed file
         raise ValueError(f"{key}={path}: {file} is not a tokenizers JSON file ({error})") from None
+    if tokenizer.truncation or tokenizer.padding:  # saved with the file, they would cut or pad every document
+        log.info("%s=%s: its saved truncation and padding are ignored (the data options cut documents to "
+                 "data.block_size and pad batches themselves)", key, path)
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+    return tokenizer
 
 
 class Codec:
