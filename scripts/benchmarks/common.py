@@ -69,3 +69,25 @@ def peak_memory_over_ranks_gib(device) -> float:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return peak.item()
+
+
+def one_document_shards(folder: Path, files: dict[str, list[tuple[str, int]]], vocab_size: int, tokenizer: str,
+                        digest: str) -> Path:
+    """Finish a prepared folder (scripts/prepare_data.py's layout) whose token files the caller wrote, each one
+    document: its index, the byte codec, the manifest. `files`: per split, (file name, tokens) in order."""
+    import json
+
+    import numpy as np
+
+    from src.data.shards import FORMAT, MANIFEST
+    from src.data.tokenizer import Codec
+
+    for split in files.values():
+        for name, tokens in split:
+            np.array([tokens], dtype=np.uint64).tofile(folder / (name + ".index"))
+    Codec("byte").save(folder)
+    splits = {split: [{"file": name, "tokens": tokens, "documents": 1, "digest": digest} for name, tokens in shards]
+              for split, shards in files.items()}
+    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "dtype": "uint16", "vocab_size": vocab_size,
+                                               "tokenizer": tokenizer, "loss_masks": False, "splits": splits}))
+    return folder

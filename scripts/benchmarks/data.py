@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.benchmarks.common import ROOT, run, scalars
+from scripts.benchmarks.common import ROOT, one_document_shards, run, scalars
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=64", "model.block_size=256"]
 
@@ -84,25 +84,17 @@ def tokenizer_throughput(tokenizer_file: Path, corpus: Path, documents: int = 20
 
 def synthetic_shards(folder: Path, tokens: int, vocab: int = 8192, files: int = 4) -> Path:
     """A prepared folder of `tokens` random ids (uint16), as scripts/prepare_data.py lays it out."""
-    from src.data.shards import FORMAT, MANIFEST
-    from src.data.tokenizer import Codec
-
     folder.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    splits = {"train": [], "validation": []}
+    written = {"train": [], "validation": []}
     for split, count in (("train", tokens), ("validation", max(tokens // 1000, 100_000))):
         for task in range(files):
             name, size = f"{split}_{task:05d}.ds", count // files
             with open(folder / name, "wb") as out:
                 for start in range(0, size, 1 << 24):
                     rng.integers(0, vocab, min(1 << 24, size - start), dtype=np.uint16).tofile(out)
-            np.array([size], dtype=np.uint64).tofile(folder / (name + ".index"))
-            splits[split].append({"file": name, "tokens": size, "documents": 1, "digest": "synthetic"})
-    Codec("byte").save(folder)
-    manifest = {"format": FORMAT, "dtype": "uint16", "vocab_size": vocab, "tokenizer": "synthetic",
-                "loss_masks": False, "splits": splits}
-    (folder / MANIFEST).write_text(json.dumps(manifest))
-    return folder
+            written[split].append((name, size))
+    return one_document_shards(folder, written, vocab, "synthetic", "synthetic")
 
 
 def first_step(overrides: list[str], tmp: Path) -> dict:

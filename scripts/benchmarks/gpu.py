@@ -19,7 +19,7 @@ import typing
 from pathlib import Path
 from statistics import median
 
-from scripts.benchmarks.common import ROOT, compose_config, in_turn, run, scalars
+from scripts.benchmarks.common import ROOT, compose_config, in_turn, one_document_shards, run, scalars
 
 GPT2_SHAPE = "12,12,768,1024"  # n_layer, n_head, n_embd, block_size: GPT-2-124M
 GPU_WARMUP_STEPS = 20  # compilation and allocator warm-up: steps before this are not timed
@@ -76,19 +76,13 @@ def write_shards(tokens, folder: Path, val_fraction: float = 0.05) -> None:
     validation the same last 5 % as nanoGPT's val.bin here (vocab 50304, as both sides are told)."""
     import numpy as np
 
-    from src.data.shards import FORMAT, MANIFEST
-    from src.data.tokenizer import Codec
-
     folder.mkdir()
     split = int(len(tokens) * (1 - val_fraction))
-    splits = {}
+    written = {}
     for name, part in (("train", tokens[:split]), ("validation", tokens[split:])):
         part.astype(np.uint16).tofile(folder / f"{name}_00000.ds")
-        np.array([len(part)], dtype=np.uint64).tofile(folder / f"{name}_00000.ds.index")
-        splits[name] = [{"file": f"{name}_00000.ds", "tokens": len(part), "documents": 1, "digest": "benchmark"}]
-    Codec("byte").save(folder)
-    (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "dtype": "uint16", "vocab_size": 50304,
-                                               "tokenizer": "bytes", "loss_masks": False, "splits": splits}))
+        written[name] = [(f"{name}_00000.ds", len(part))]
+    one_document_shards(folder, written, 50304, "bytes", "benchmark")
 
 
 def compile_overrides(args, compiled: bool) -> list[str]:
