@@ -36,6 +36,7 @@ from src.loop.evaluation import Evaluation
 from src.loop.sampling import Sampler
 from src.loop.step import TrainStep
 from src.loop.stopping import FINISHED, PREEMPTED, StopDecision
+from src.loop.stream_position import StreamPosition
 from src.optim.optimizers import build_optimizer
 from src.reporting.progress import Progress
 from src.reporting.run_log import start_run_log, stop_run_log
@@ -77,7 +78,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     ema = build_ema(accelerator, model, trainer.ema_decay)
     # Reports a rank where nothing progressed for trainer.hang_report_s; long work between steps reports progress.
     hang_watch = HangWatch(accelerator.process_index, trainer.hang_report_s, accelerator.num_processes)
-    checkpointer = Checkpointer.for_run(run, model, ema, hang_watch.alive)
+    position = StreamPosition(accelerator, train_loader)  # a stream's place in it, kept by its loader
+    checkpointer = Checkpointer.for_run(run, model, ema, hang_watch.alive, position)
     checkpointer.load(state)  # weights, optimizer, schedule, EMA, every rank's random streams, data position
     start_run_log(accelerator, cfg, run_dir, describe_launch(accelerator, cfg, run.launch, run_dir, model), state.step)
 
@@ -96,7 +98,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     evaluate.before_training(state.step)  # trainer.eval_on_start: a fresh run's metrics at step 0
     stop_reason = stop.before_training(state)  # resumed from an early stop: nothing left to train
     windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps,
-                                   trainer.gradient_accumulation_steps, run.epoch_steps)
+                                   trainer.gradient_accumulation_steps, run.epoch_steps, position)
     for window in telemetry.timed_windows([] if stop_reason else windows):
         hang_watch.beat(state.step)  # armed by the first: a first step that never ends is reported too
         result = train_step(window, state.step)

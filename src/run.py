@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpointing.checkpointer import agreed_resume_point, resume_point
@@ -95,7 +96,8 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     cfg = with_values(cfg, {"trainer.mixed_precision": launch.mixed_precision.value,  # recorded as in effect
                             "trainer.gradient_accumulation_steps": launch.gradient_accumulation_steps.value})
     # Its collectives hold every rank here until all have checked the run dir above, before rank 0 writes.
-    accelerator = build_accelerator(cfg.trainer, launch, run_dir)
+    accelerator = build_accelerator(cfg.trainer, launch, run_dir,
+                                    stateful_loaders=getattr(get_class(cfg.data._target_), "loader_state", False))
     checkpoint = agreed_resume_point(accelerator, checkpoint, cfg)  # rank 0's view of the run dir, on every rank
     set_seed(cfg.trainer.seed)
 

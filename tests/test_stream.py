@@ -1,5 +1,6 @@
-"""A corpus streamed as it trains (data=stream): read in a fixed order, resumed exactly by reading it again to
-the run's position, refused on a layout that would read it in another order."""
+"""A corpus streamed as it trains (data=stream): read in a fixed order, its held-out rows never trained on however it
+is split, resumed exactly from the position its loader saved (nothing read again), or, where the processes share
+one stream, by reading it again to the run's position; refused on a layout that would read it in another order."""
 
 import json
 import re
@@ -25,7 +26,8 @@ def test_the_stream_trains_windows_across_its_documents_in_their_order_after_the
 
     texts = [json.loads(line)["text"] for line in SPEECHES.read_text().splitlines()]
     data = StreamData(path=str(SPEECHES), block_size=16, val_documents=100)
-    stream = [b for text in texts[100:1100] for b in text.encode()]  # the first map batch's documents, as bytes
+    training = [text for text in texts[100:] if text not in texts[:100]]  # a copy of a held-out text never trains
+    stream = [b for text in training[:1000] for b in text.encode()]  # the first map batch's documents, as bytes
     for i, sample in zip(range(50), data.train):
         assert sample["input_ids"].tolist() == stream[16 * i : 16 * i + 16]
         assert sample["labels"].tolist() == stream[16 * i + 1 : 16 * i + 17]
@@ -33,6 +35,82 @@ def test_the_stream_trains_windows_across_its_documents_in_their_order_after_the
     assert data.val[0][0].tolist() == held_out[:16] and len(data.val) == (len(held_out) - 1) // 16
     with pytest.raises(UsageError, match="data.text_column=body.*its columns: text"):
         StreamData(path=str(SPEECHES), block_size=16, text_column="body")
+
+
+def two_files(folder: Path, first: slice, second: slice) -> Path:
+    folder.mkdir()
+    lines = SPEECHES.read_text().splitlines(keepends=True)
+    (folder / "part0.jsonl").write_text("".join(lines[first]))
+    (folder / "part1.jsonl").write_text("".join(lines[second]))
+    return folder
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_held_out_rows_never_train_however_the_stream_is_split_among_processes_or_workers(tmp_path, workers):
+    from torch.utils.data import DataLoader
+
+    from src.data.stream import StreamData
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for part in range(2):  # rows that name themselves, so that a window shows which rows it came from
+        (folder / f"part{part}.jsonl").write_text("".join(json.dumps({"text": f"<{part}-{i:03d}>"}) + "\n"
+                                                          for i in range(200)))
+    data = StreamData(path=str(folder), block_size=8, val_documents=20)  # the first 20 rows of part0 validate
+    text = ""
+    for process in range(2):  # what accelerate gives each of two processes: its own file
+        loader = DataLoader(data.train.shard(num_shards=2, index=process), batch_size=10, num_workers=workers)
+        # Consecutive windows are the stream itself (a map batch's tail shorter than a window left out).
+        text += "".join(data.decode(window.tolist()) for batch in loader for window in batch["input_ids"]) + "|"
+    assert not any(f"<0-{i:03d}>" in text for i in range(20)), "a held-out row trained"
+    assert "<0-020>" in text and "<1-000>" in text and "<1-019>" in text  # every other row of both files does
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_restored_from_its_saved_position_continues_the_stream_without_tokenizing_what_it_read(
+        tmp_path, monkeypatch, workers):
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    import src.data.stream as stream
+    from src.checkpointing.checksums import write_checksums
+    from src.loop.stream_position import StreamPosition, position_file
+    from src.loop.train_state import TrainState
+
+    monkeypatch.setattr(stream, "ROWS_PER_MAP", 10)  # many map batches in a few hundred rows
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        dispatch_batches=False, use_stateful_dataloader=True))
+
+    def loader():
+        data = stream.StreamData(path=str(SPEECHES), block_size=16, val_documents=100, batch_size=8,
+                                 num_workers=workers)
+        return accelerator.prepare(data.train_dataloader())
+
+    def ids(batch) -> list:
+        return batch["input_ids"].tolist()
+
+    first, state = loader(), TrainState()
+    batches = iter(first)
+    read = [ids(next(batches)) for _ in range(60)]  # past several map batches (and a loader's look-ahead)
+    StreamPosition(accelerator, first).save(tmp_path, state)
+    expected = [ids(next(batches)) for _ in range(20)]
+    write_checksums(tmp_path)  # as a checkpoint's commit does: the resume verifies the file against it
+    second = loader()
+    tokenized = []  # the texts the restored loader tokenizes, from here on
+    real = stream.tokenized_documents
+    monkeypatch.setattr(stream, "tokenized_documents", lambda codec, texts: tokenized.append(texts) or real(codec,
+                                                                                                         texts))
+    position = StreamPosition(accelerator, second)
+    position.load(tmp_path, state, data_changed=False)
+    assert position.restored and json.loads((tmp_path / position_file(0)).read_text())["pass"] == 0
+    batches = iter(second)
+    assert [ids(next(batches)) for _ in range(20)] == expected
+    assert read[-1] != expected[0]
+    if workers == 0:  # in this process: the rows it tokenized start at the map batch the position was in
+        texts = [json.loads(line)["text"] for line in SPEECHES.read_text().splitlines()]
+        first_read = texts.index(tokenized[0][0])
+        # 60 batches of 8 windows of 16 bytes: ~7.7 kB, ~50 speeches of ~157 bytes after the 100 held out.
+        assert first_read >= 150, first_read  # the map batch (10 rows) the position was in, not row 100
+        assert sum(map(len, tokenized)) <= 4 * 10  # what 20 more batches (~2.6 kB, ~16 rows) need
 
 
 @pytest.mark.slow  # 15 s, four launches; the stream's order is the in-process test's; CI runs it
@@ -44,8 +122,9 @@ def test_a_streamed_run_killed_mid_run_resumes_bitwise_and_two_processes_train_w
     kill_when(stream_args(SPEECHES, killed, accumulating), 1,
               ready=lambda: (killed / "checkpoints" / "step_00000010").is_dir())
     assert not (killed / "model").exists()
+    assert (killed / "checkpoints" / "step_00000010" / "data_position_0.json").is_file()
     resumed = run([*stream_args(SPEECHES, killed, accumulating), "resume=auto"])
-    assert "resuming 80 samples into pass 0" in resumed.stdout  # where in the stream it picks up (step 10)
+    assert "resuming the stream where its loader stood (pass 0): no window is read again" in resumed.stdout
     assert scalars(killed, "train/loss") == scalars(one, "train/loss")
     assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
     # The summary says where in the stream the run ended: 30 steps of 2 micro-batches of 4 windows.
@@ -55,13 +134,29 @@ def test_a_streamed_run_killed_mid_run_resumes_bitwise_and_two_processes_train_w
     assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
 
 
+@pytest.mark.slow  # 25 s, three two-process launches; CI runs it
+def test_processes_reading_their_own_files_each_start_theirs_again_and_resume_bitwise_from_their_positions(
+        tmp_path):
+    # part0: the 100 held-out rows and 25 that train (105 windows); part1: 12 rows (66 windows). At 4 windows a
+    # step, process 1 starts its file again after step 16, process 0 after step 26: the kill at 20 falls between.
+    folder = two_files(tmp_path / "corpus", slice(0, 125), slice(200, 212))
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    run(stream_args(folder, whole), nproc=2)
+    kill_when(stream_args(folder, killed), 2, ready=lambda: (killed / "checkpoints" / "step_00000020").is_dir())
+    saved = killed / "checkpoints" / "step_00000020"
+    passes = [json.loads((saved / f"data_position_{rank}.json").read_text())["pass"] for rank in range(2)]
+    assert passes == [0, 1], passes
+    resumed = run([*stream_args(folder, killed), "resume=auto"], nproc=2)
+    assert "each process at its own" in resumed.stdout
+    assert scalars(killed, "train/loss") == scalars(whole, "train/loss")
+    assert max_abs_diff(exported_weights(killed), exported_weights(whole)) == 0
+    assert re.search(r"passes over process 0's files completed +1\n", resumed.stdout), resumed.stdout[-2000:]
+
+
 @pytest.mark.slow  # 8 s, two launches; CI runs it
 def test_a_stream_whose_files_are_shared_among_processes_refuses_to_resume_on_another_count(tmp_path):
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    lines = SPEECHES.read_text().splitlines(keepends=True)
-    for part in range(2):
-        (folder / f"part{part}.jsonl").write_text("".join(lines[part::2]))
+    lines = len(SPEECHES.read_text().splitlines())
+    folder = two_files(tmp_path / "corpus", slice(0, lines, 2), slice(1, lines, 2))
     run_dir = tmp_path / "run"
     run(stream_args(folder, run_dir, "trainer.max_steps=10"), nproc=2)
     refused(run([*stream_args(folder, run_dir, "trainer.max_steps=20"), "resume=auto"], check=False),

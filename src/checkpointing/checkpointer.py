@@ -54,6 +54,7 @@ from src.checkpointing.training_state import (
     write_main_states,
 )
 from src.errors import LaunchError, UsageError
+from src.loop.stream_position import StreamPosition
 from src.loop.train_state import TrainState, improves
 from src.reporting.telemetry import resident_peak
 
@@ -116,8 +117,10 @@ class Checkpointer:
 
     def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig, model: Optional[torch.nn.Module],
                  ema=None, codec=None, data_fingerprint: Optional[dict] = None, resume_from: Optional[Path] = None,
-                 data_changed: bool = False, progress: Callable[[str], None] = lambda doing: None):
+                 data_changed: bool = False, progress: Callable[[str], None] = lambda doing: None,
+                 position: Optional[StreamPosition] = None):
         check_supported(accelerator)
+        self.position = position  # a stream's loader position, saved by every rank (src/loop/stream_position.py)
         self.accelerator, self.cfg = accelerator, cfg
         self.progress = progress  # the hang watch hears of each part of a save and an export
         self.run_dir, self.root = run_dir, run_dir / "checkpoints"
@@ -144,10 +147,12 @@ class Checkpointer:
         self.staging: list = []  # futures of the copies in flight: the next optimizer step waits for them
 
     @classmethod
-    def for_run(cls, run, model: torch.nn.Module, ema, progress: Callable[[str], None]) -> "Checkpointer":
-        """`run`: src/run.py's Run; `model` and `ema` as prepared; `progress`: the hang watch's `alive`."""
+    def for_run(cls, run, model: torch.nn.Module, ema, progress: Callable[[str], None],
+                position: Optional[StreamPosition] = None) -> "Checkpointer":
+        """`run`: src/run.py's Run; `model` and `ema` as prepared; `progress`: the hang watch's `alive`; `position`:
+        the training loader's, where it keeps one."""
         return cls(run.accelerator, run.run_dir, run.cfg, model, ema, run.data.codec, run.data_fingerprint,
-                   run.checkpoint, run.data_changed, progress)
+                   run.checkpoint, run.data_changed, progress, position)
 
     # ---------------------------------------------------------------------------------------------- loading
 
@@ -159,6 +164,8 @@ class Checkpointer:
             return
         load_checkpoint(self.accelerator, self.resume_from, state, self.seed, self.ema,
                         restart_epoch=self.data_changed)
+        if self.position is not None:
+            self.position.load(self.resume_from, state, self.data_changed)
 
     # ----------------------------------------------------------------------------------------------- saving
 
@@ -248,7 +255,7 @@ class Checkpointer:
             if sharded(accelerator):  # every rank its shards; in the background, copied now and written by threads
                 save_sharded(accelerator, tmp, self._save_in_background if in_background else None,
                              self.without_frozen)
-                save_random_states(accelerator, tmp)
+                self._save_rank_state(tmp, state)
                 if main:
                     self._save_our_state(tmp, state)
                     writing = self.writing
@@ -256,7 +263,7 @@ class Checkpointer:
             elif in_background:  # copied to host memory now, written by rank 0's thread
                 write = self._snapshot(tmp, state)
             else:
-                save_random_states(accelerator, tmp)
+                self._save_rank_state(tmp, state)
                 if main:
                     write_main_states(main_states(accelerator, without_frozen=self.without_frozen), tmp)
                     self._save_our_state(tmp, state)
@@ -329,7 +336,7 @@ class Checkpointer:
         """A save without FSDP, taken now: each rank writes its random state at once (it is small); rank 0 copies
         the weights, optimizer, schedule and scaler states to host memory and returns the writing of them, for its
         thread. Our own state is written now."""
-        save_random_states(self.accelerator, tmp)
+        self._save_rank_state(tmp, state)
         if not self.accelerator.is_main_process:
             return None
         states = main_states(self.accelerator, on_host=True, without_frozen=self.without_frozen)
@@ -357,6 +364,12 @@ class Checkpointer:
             self._commit(tmp, *commit)
         except Exception as error:  # the next save (or the end) stops every rank with it
             self.commit_failed = (error, tmp)
+
+    def _save_rank_state(self, directory: Path, state: TrainState) -> None:
+        """Every rank's own: its random streams, and where its stream loader stands."""
+        save_random_states(self.accelerator, directory)
+        if self.position is not None:
+            self.position.save(directory, state)
 
     def _save_our_state(self, directory: Path, state: TrainState) -> None:
         """Ours beside the training's state: the position, the config, the data's fingerprint, the EMA (JSON, YAML

@@ -5,6 +5,7 @@ Layout of a run directory:
         model.safetensors, optimizer.safetensors, scheduler.json, [scaler.json], random_states_<rank>.safetensors
                                   (src/checkpointing/training_state.py; every rank writes its own random state;
                                   under FSDP pytorch_model_fsdp_0/ and optimizer_0/ hold a file per rank)
+        data_position_<rank>.json a stream's place in it, as each rank's loader keeps it (src/loop/stream_position.py)
         checksums.json            a CRC-32 of each file rank 0 wrote, compared before a resume reads anything
         ema.safetensors           trainer.ema_decay: the average of the weights
         train_state.json          step, epoch, position in the epoch, best metric

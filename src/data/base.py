@@ -127,6 +127,10 @@ class DataModule:
     attends_per_document: bool = False
     # Text data: how text becomes token ids and back (src/data/tokenizer.py), for sampling and the export.
     codec: Optional["Codec"] = None
+    # True when `train` is an iterable that holds its own position (datasets' IterableDataset: state_dict and
+    # load_state_dict): its loader (torchdata's StatefulDataLoader) is saved in each checkpoint, and a resume continues
+    # there instead of reading the data again up to it (src/loop/stream_position.py).
+    loader_state: bool = False
 
     def __init__(
         self,

@@ -2,15 +2,18 @@
 trains. `datasets` reads the rows lazily (load_dataset(streaming=True)); each batch of rows is tokenized and cut
 into windows across documents in the loader (its workers, with data.num_workers), as data=tokens cuts a file.
 
-Exact resume: the stream is read in a fixed order, so a run's position is the number of windows its processes
-consumed (the checkpoint's samples into the epoch), and a resumed run reads the stream again up to there (skipping
-windows, not training on them: the cost of a resume is reading its position, on every process). Where that order
-depends on the layout (the files shared among processes, or the loader's workers) it is part of the data's
-fingerprint, so a resume on another layout is refused naming it; with one stream for every process (a source of
-fewer files than processes) a run resumes exactly on any number of processes.
+Exact resume without reading the stream again: the loader keeps the stream's position (which file, which row, how
+far into the batch of rows being cut), each checkpoint saves it per process, and a resume continues there
+(src/loop/stream_position.py). With as many files as processes or more, each process reads its own files; with
+fewer, every process reads the whole stream and takes its share of each global batch, and a resume then reads it
+again up to its position (exact on any number of processes, slow at billions of tokens: give a large corpus at
+least as many files as processes, or prepare it into shards, scripts/prepare_data.py). The order of the windows
+depends on that layout and on the loader's workers: both are in the data's fingerprint, so a resume that would read
+another order is refused naming it.
 """
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -25,6 +28,8 @@ from src.errors import UsageError
 from src.schema.signature import Arg
 
 log = logging.getLogger(__name__)
+# torchdata 0.11's StatefulDataLoader calls a torch function that torch 2.13 deprecates, at every loader it builds.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 ROWS_PER_MAP = 1000  # rows tokenized together: each batch's tail shorter than a window is dropped (as run_clm's)
 
 
@@ -48,7 +53,10 @@ def streamed_rows(path: str, subset: Optional[str], split: str) -> Any:
 
 class StreamData(DataModule):
     """Windows of block_size tokens across the documents of a streamed corpus; its first val_documents rows
-    validate (read once, at start), the rest train, in the source's order."""
+    validate (read once, at start), the rest train (any row with a validating text left out), in the source's
+    order."""
+
+    loader_state = True  # datasets' IterableDataset keeps its position: the checkpoint saves it
 
     def __init__(
         self,
@@ -66,6 +74,11 @@ class StreamData(DataModule):
         **loader,
     ):
         super().__init__(**loader)
+        try:
+            import torchdata.stateful_dataloader  # noqa: F401  (accelerate's use_stateful_dataloader needs it)
+        except ImportError as error:
+            raise UsageError("data=stream needs torchdata, whose loader keeps the stream's position for a resume: "
+                             "pip install -r requirements-extras.txt") from error
         self.path, self.block_size, self.text_column = path, block_size, text_column
         self.codec = codec_for(tokenizer, revision=tokenizer_revision)
         rows = streamed_rows(path, subset, split)
@@ -85,9 +98,16 @@ class StreamData(DataModule):
         if len(self.val) == 0:
             raise UsageError(f"data.path={path}: its first data.val_documents={val_documents} rows hold {len(val)} "
                              f"tokens, no window of data.block_size={block_size} to validate on")
-        self.train = rows.skip(val_documents).map(
+        # The held-out texts are filtered out rather than skipped: datasets' skip(n) is split evenly among the parts
+        # that processes or loader workers read (n/2 rows of each of two files), which would train on held-out rows.
+        self.held_out = frozenset(held_out)
+        self.train = rows.filter(self._trains, batched=True, batch_size=ROWS_PER_MAP).map(
             self._windows, batched=True, batch_size=ROWS_PER_MAP, remove_columns=columns
         ).with_format("torch")
+
+    def _trains(self, batch: dict) -> list[bool]:
+        """Which rows of a batch train: those whose text validates do not (nor any copy of one)."""
+        return [text not in self.held_out for text in batch[self.text_column]]
 
     def _windows(self, batch: dict) -> dict:
         """A batch of rows as windows across its documents, each with its next-token targets."""
@@ -97,13 +117,19 @@ class StreamData(DataModule):
                   for i in range(len(windows))]
         return {"input_ids": [chunk[:-1] for chunk in chunks], "labels": [chunk[1:] for chunk in chunks]}
 
+    def parts_per_process(self) -> bool:
+        """Whether each process reads its own files (accelerate shards a datasets stream so when it has enough)."""
+        from accelerate import PartialState
+
+        processes = PartialState().num_processes
+        return processes > 1 and self.train.n_shards >= processes
+
     def order(self) -> str:
         """What the order of the windows the processes train on depends on, besides the source."""
         from accelerate import PartialState
 
-        processes = PartialState().num_processes
-        split = (f"its {self.train.n_shards} files shared among {processes} processes"
-                 if processes > 1 and self.train.n_shards >= processes else "one stream for every process")
+        split = (f"its {self.train.n_shards} files shared among {PartialState().num_processes} processes"
+                 if self.parts_per_process() else "one stream for every process")
         return split + (f", read by {self.num_workers} loader workers each" if self.num_workers else "")
 
     def fingerprint(self) -> dict:
@@ -112,6 +138,9 @@ class StreamData(DataModule):
                 "stream order": self.order(), "vocabulary": self.codec.identity()}
 
     def consumed(self, loader, state, epoch_samples) -> dict[str, int]:
+        if self.parts_per_process():  # each its own files, its own passes (src/loop/stream_position.py)
+            return {"stream: passes over process 0's files completed": state.epoch,
+                    f"stream: windows of {self.block_size} tokens read by all processes": state.samples_into_epoch}
         return {"stream: passes over it completed": state.epoch,
                 f"stream: windows of {self.block_size} tokens read in this pass": state.samples_into_epoch}
 

@@ -21,7 +21,10 @@ from src.reporting.trackers import trackers_for
 log = logging.getLogger(__name__)
 
 
-def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Path) -> Accelerator:
+def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Path,
+                      stateful_loaders: bool = False) -> Accelerator:
+    """`stateful_loaders`: the data resumes from its loader's own state (a stream, src/loop/stream_position.py):
+    accelerate's loaders are then torchdata's StatefulDataLoader."""
     if torch.cuda.is_available():  # before the Accelerator starts NCCL
         check_gpus_per_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     if trainer.deterministic:
@@ -40,8 +43,12 @@ def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Pa
             ),
             # A seedable sampler makes the shuffle order a function of (seed, epoch): what mid-epoch resume needs.
             # non_blocking: batches copy to the GPU asynchronously from pinned memory (see src/data/base.py).
+            # No dispatch: each process reads its own part of an iterable dataset (a stream's files), instead of
+            # rank 0 reading all of it for every process (accelerate's default for iterables).
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
-                                                      non_blocking=torch.cuda.is_available()),
+                                                      non_blocking=torch.cuda.is_available(),
+                                                      dispatch_batches=False,
+                                                      use_stateful_dataloader=stateful_loaders),
             # train.py steps the LR schedule once per optimizer step itself; accelerate's default would step it
             # num_processes times per update.
             step_scheduler_with_optimizer=False,

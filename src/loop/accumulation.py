@@ -19,6 +19,7 @@ from accelerate import Accelerator
 
 from src.data.base import FirstSamples
 from src.errors import UsageError
+from src.loop.stream_position import StreamPosition
 from src.loop.train_state import TrainState
 from src.objectives.base import Objective
 
@@ -61,13 +62,14 @@ def fit_run_to_data(data, trainer, layout: TrainState) -> tuple[Optional[int], i
 
 
 def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, max_steps: int, accumulation: int,
-                         epoch_steps: Optional[int]) -> Iterator[list]:
+                         epoch_steps: Optional[int], position: Optional[StreamPosition] = None) -> Iterator[list]:
     """Lists of `accumulation` micro-batches, one per optimizer step, `epoch_steps` per epoch, until
     max_steps, starting where `state` says.
 
     The shuffle order is a function of (seed, epoch) (accelerate's seedable sampler, set_epoch before
     iterating), so skipping the samples already consumed continues an interrupted epoch exactly. The
-    position is counted in samples of all processes together, so it means the same on any layout.
+    position is counted in samples of all processes together, so it means the same on any layout. A stream
+    whose loader keeps its own position (`position`, src/loop/stream_position.py) continues from that instead.
     """
     # Samples all processes take in one micro-step (accelerate knows it from the batch sampler, which a dataset
     # without a length has not: each process then takes its own batch of its shard of the stream).
@@ -76,7 +78,9 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
         loader.set_epoch(state.epoch)
         if hasattr(loader.dataset, "set_epoch"):  # accelerate forwards it only for some sampler layouts
             loader.dataset.set_epoch(state.epoch)
-        done_steps = state.samples_into_epoch // (per_micro_step * accumulation)
+        continued = position is not None and (position.restored or position.per_process_parts)
+        done_steps = 0 if continued else state.samples_into_epoch // (per_micro_step * accumulation)
+        fresh = done_steps == 0 and not (position is not None and position.restored)
         remaining = itertools.count() if epoch_steps is None else range(epoch_steps - done_steps)
         if done_steps and epoch_steps is None and accelerator.is_main_process:
             log.info("resuming %d samples into pass %d of a dataset without a length (a stream): reading it again "
@@ -92,7 +96,7 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
             except ValueError as error:  # accelerate's words for an iterable that gave nothing at all
                 raise too_short if "does not contain any data" in str(error) else error from None
             if len(window) < accumulation:  # a dataset without a length ended: its partial window waits
-                if taken == 0 and done_steps == 0:  # and it would end every epoch so: the run would never end
+                if taken == 0 and fresh:  # and it would end every epoch so: the run would never end
                     raise too_short
                 break
             state.samples_into_epoch += per_micro_step * accumulation
@@ -100,8 +104,11 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
             if state.step >= max_steps:
                 return
         epoch_loader.end()  # an epoch cut at whole global batches never reaches the loader's own end
-        state.epoch += 1
-        state.samples_into_epoch = 0
+        if position is not None:
+            position.pass_ended(state)
+        else:
+            state.epoch += 1
+            state.samples_into_epoch = 0
 
 
 def global_target_count(accelerator: Accelerator, objective: Objective, window_targets: list
