@@ -67,8 +67,7 @@ class StreamPosition:
             return
         state.epoch = saved["pass"]
         if saved["loader"].get("_iterator_finished"):  # the pass ended with the last step: the next one begins
-            state.epoch += 1
-            state.samples_into_epoch = 0 if not self.per_process_parts else state.samples_into_epoch
+            self.pass_ended(state)
         else:
             self.loader.load_state_dict(saved["loader"])
             self.restored = True
