@@ -92,8 +92,10 @@ def compile_overrides(args, compiled: bool) -> list[str]:
     return ["trainer.compile=true", f"trainer.compile_mode={args.compile_mode}"]
 
 
-def gpu_template(args, batch: int, accumulation: int, compiled: bool, run_dir: Path, bin_file: Path) -> dict:
+def gpu_template(args, batch: int, accumulation: int, compiled: bool, run_dir: Path, bin_file: Path,
+                 workers: int = 0) -> dict:
     cmd = [sys.executable, "train.py", *template_model_and_data(args, bin_file), f"data.batch_size={batch}",
+           f"data.num_workers={workers}",
            f"trainer.gradient_accumulation_steps={accumulation}", *compile_overrides(args, compiled),
            f"trainer.max_steps={args.steps}", "trainer.log_every=10", "trainer.eval_every=0", "trainer.eval_batches=2",
            "trainer.checkpoint_every=0", "trainer.monitor=null", "scheduler.warmup_steps=10",
@@ -108,6 +110,10 @@ def gpu_template(args, batch: int, accumulation: int, compiled: bool, run_dir: P
             "peak_memory_gib": memory.get("cuda", memory["rss_max_over_ranks"]),
             "evaluation_s": summary["time_s"]["of which evaluation"],
             "data_wait_share": median(waits) if waits else None}
+
+
+def template_side(args, workers: int) -> str:
+    return "template" if workers == args.data_workers[0] else f"template, data.num_workers={workers}"
 
 
 def gpu_nanogpt(args, batch: int, accumulation: int, compiled: bool, work: Path) -> dict:
@@ -171,10 +177,13 @@ def gpu(args) -> dict:
             tokens_per_step = batch * accumulation * int(args.model_shape.split(",")[3])
             for compiled in [mode == "compiled" for mode in args.modes]:
                 name = f"{shape} {'compiled' if compiled else 'eager'}"
-                runs = {"template": [], **({"nanogpt": []} if work else {})}
+                # The template once per --data-workers value: "template" is the first, the rest are named by theirs.
+                templates = {template_side(args, w): w for w in args.data_workers}
+                runs = {**{side: [] for side in templates}, **({"nanogpt": []} if work else {})}
                 for repeat in range(args.repeats):
-                    sides = [lambda: runs["template"].append(gpu_template(
-                        args, batch, accumulation, compiled, tmp / f"{shape}-{compiled}-{repeat}", bin_file))]
+                    sides = [lambda side=side, w=w: runs[side].append(gpu_template(
+                        args, batch, accumulation, compiled, tmp / f"{shape}-{compiled}-{w}-{repeat}", bin_file, w))
+                        for side, w in templates.items()]
                     if work:
                         sides.append(lambda: runs["nanogpt"].append(gpu_nanogpt(args, batch, accumulation, compiled,
                                                                                 work)))
@@ -187,10 +196,11 @@ def gpu(args) -> dict:
                                    "tokens_per_s": round(tokens_per_step / step_s),
                                    "mfu": round(flops * tokens_per_step / step_s / (peak * 1e12), 4) if peak else None,
                                    "peak_memory_gib": round(max(r["peak_memory_gib"] for r in results), 2)}
-                entry["template"]["final_evaluation_s"] = round(max(r["evaluation_s"] for r in runs["template"]), 2)
-                waits = [r["data_wait_share"] for r in runs["template"] if r["data_wait_share"] is not None]
-                # train/data_wait: the share of the logged steps' time spent waiting for batches, after the warm-up
-                entry["template"]["data_wait_share"] = round(median(waits), 5) if waits else None
+                for side in templates:
+                    entry[side]["final_evaluation_s"] = round(max(r["evaluation_s"] for r in runs[side]), 2)
+                    waits = [r["data_wait_share"] for r in runs[side] if r["data_wait_share"] is not None]
+                    # train/data_wait: the share of the logged steps' time spent waiting for batches, after warm-up
+                    entry[side]["data_wait_share"] = round(median(waits), 5) if waits else None
                 if work:
                     ours, theirs = entry["template"]["tokens_per_s"], entry["nanogpt"]["tokens_per_s"]
                     entry["tokens_per_s_ratio"] = round(ours / theirs, 3)
@@ -216,6 +226,8 @@ def add_commands(commands) -> dict:
     g.add_argument("--template-data", default="tokens", choices=["tokens", "shards"],
                    help="the template reads the tokens as one file (data=tokens, experiment=owt_tokens) or as "
                         "prepared shards (data=shards, experiment=fineweb_gpt2)")
+    g.add_argument("--data-workers", nargs="+", type=int, default=[0],
+                   help="the template's data.num_workers: one run per value and shape (nanoGPT reads in its loop)")
     g.add_argument("--compile-mode", default="default", choices=typing.get_args(CompileMode),
                    help="the template's trainer.compile_mode in the compiled runs (nanoGPT's stays torch's default)")
     return {"gpu": gpu}
