@@ -45,6 +45,42 @@ def two_files(folder: Path, first: slice, second: slice) -> Path:
     return folder
 
 
+def one_parquet_file(path: Path, *row_groups: list[str]) -> Path:
+    """One Parquet file holding each list of texts as one row group."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with pq.ParquetWriter(path, pa.schema([("text", pa.string())])) as writer:
+        for texts in row_groups:
+            writer.write_table(pa.table({"text": texts}), row_group_size=len(texts))
+    return path
+
+
+def test_resharding_gives_each_process_its_own_row_groups_of_one_parquet_file_and_never_a_held_out_row(
+        tmp_path, caplog):
+    from torch.utils.data import DataLoader
+
+    from src.data.stream import StreamData
+
+    source = one_parquet_file(tmp_path / "corpus.parquet",
+                              *[[f"<{i:03d}>" for i in range(group, group + 20)] for group in range(0, 200, 20)])
+    assert StreamData(path=str(source), block_size=8, val_documents=20).train.n_shards == 1
+    data = StreamData(path=str(source), block_size=8, val_documents=20, reshard=True)  # rows 0-19 validate
+    assert data.train.n_shards == 10
+    read = []
+    for process in range(2):  # what accelerate gives each of two processes: its own row groups
+        loader = DataLoader(data.train.shard(num_shards=2, index=process), batch_size=10)
+        text = "".join(data.decode(window.tolist()) for batch in loader for window in batch["input_ids"])
+        read.append({int(row) for row in re.findall(r"<(\d{3})>", text)})
+    assert not (read[0] | read[1]) & set(range(20)), "a held-out row trained"
+    assert min(read[0]) == 20 and max(read[0]) < 100 <= min(read[1]) and max(read[1]) >= 190  # five groups each
+    assert "stream parts (row groups)" in data.fingerprint()
+    lines = tmp_path / "corpus.jsonl"
+    lines.write_text("".join(json.dumps({"text": f"<{i:03d}>"}) + "\n" for i in range(200)))
+    StreamData(path=str(lines), block_size=8, val_documents=20, reshard=True)
+    assert "could not be split further than its 1 files" in caplog.text  # JSON Lines: nothing to split
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_the_held_out_rows_never_train_however_the_stream_is_split_among_processes_or_workers(tmp_path, workers):
     from torch.utils.data import DataLoader
@@ -134,19 +170,26 @@ def test_a_streamed_run_killed_mid_run_resumes_bitwise_and_two_processes_train_w
     assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
 
 
-@pytest.mark.slow  # 25 s, three two-process launches; CI runs it
+@pytest.mark.slow  # 25 s each, three two-process launches; CI runs it
+@pytest.mark.parametrize("layout", ["two files", "one Parquet file of two row groups, resharded"])
 def test_processes_reading_their_own_files_each_start_theirs_again_and_resume_bitwise_from_their_positions(
-        tmp_path):
+        tmp_path, layout):
     # part0: the 100 held-out rows and 25 that train (105 windows); part1: 12 rows (66 windows). At 4 windows a
-    # step, process 1 starts its file again after step 16, process 0 after step 26: the kill at 20 falls between.
-    folder = two_files(tmp_path / "corpus", slice(0, 125), slice(200, 212))
+    # step, process 1 starts its part again after step 16, process 0 after step 26: the kill at 20 falls between.
+    if layout == "two files":
+        folder, extra = two_files(tmp_path / "corpus", slice(0, 125), slice(200, 212)), []
+    else:  # the same parts as row groups of one file: data.reshard=true gives each process its own
+        texts = [json.loads(line)["text"] for line in SPEECHES.read_text().splitlines()]
+        folder = one_parquet_file(tmp_path / "corpus.parquet", texts[0:125], texts[200:212])
+        extra = ["data.reshard=true"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    run(stream_args(folder, whole), nproc=2)
-    kill_when(stream_args(folder, killed), 2, ready=lambda: (killed / "checkpoints" / "step_00000020").is_dir())
+    run(stream_args(folder, whole, *extra), nproc=2)
+    kill_when(stream_args(folder, killed, *extra), 2,
+              ready=lambda: (killed / "checkpoints" / "step_00000020").is_dir())
     saved = killed / "checkpoints" / "step_00000020"
     passes = [json.loads((saved / f"data_position_{rank}.json").read_text())["pass"] for rank in range(2)]
     assert passes == [0, 1], passes
-    resumed = run([*stream_args(folder, killed), "resume=auto"], nproc=2)
+    resumed = run([*stream_args(folder, killed, *extra), "resume=auto"], nproc=2)
     assert "each process at its own" in resumed.stdout
     assert scalars(killed, "train/loss") == scalars(whole, "train/loss")
     assert max_abs_diff(exported_weights(killed), exported_weights(whole)) == 0

@@ -7,7 +7,8 @@ far into the batch of rows being cut), each checkpoint saves it per process, and
 (src/loop/stream_position.py). With as many files as processes or more, each process reads its own files; with
 fewer, every process reads the whole stream and takes its share of each global batch, and a resume then reads it
 again up to its position (exact on any number of processes, slow at billions of tokens: give a large corpus at
-least as many files as processes, or prepare it into shards, scripts/prepare_data.py). The order of the windows
+least as many files as processes, split Parquet files by row group with data.reshard=true, or prepare it into
+shards, scripts/prepare_data.py). The order of the windows
 depends on that layout and on the loader's workers: both are in the data's fingerprint, so a resume that would read
 another order is refused naming it.
 """
@@ -71,6 +72,10 @@ class StreamData(DataModule):
         tokenizer: Annotated[Optional[str], Arg("byte, a tokenizers JSON file or a from_pretrained folder or hub "
                                                 "id holding one (null: byte)")] = "byte",
         tokenizer_revision: Annotated[Optional[str], Arg(REVISION)] = None,
+        reshard: Annotated[bool, Arg("read Parquet files as parts of one row group each (datasets' reshard), so "
+                                     "that a corpus of fewer files than processes still gives each process its own "
+                                     "parts and resumes without reading the stream again; another order of "
+                                     "windows than per file")] = False,
         **loader,
     ):
         super().__init__(**loader)
@@ -82,12 +87,25 @@ class StreamData(DataModule):
         self.path, self.block_size, self.text_column = path, block_size, text_column
         self.codec = codec_for(tokenizer, revision=tokenizer_revision)
         rows = streamed_rows(path, subset, split)
+        files = rows.n_shards
+        self.parts = "files"
+        if reshard:
+            rows = rows.reshard()
+            self.parts = "row groups"
+            if rows.n_shards == files:  # not Parquet (nothing to split), or one row group a file
+                log.warning("data.reshard=true: %s could not be split further than its %d files (datasets splits "
+                            "Parquet by row group; these have none to spare)", path, files)
+            else:
+                log.info("data.reshard=true: %s read as %d parts (its row groups) instead of %d files", path,
+                         rows.n_shards, files)
         columns = rows.column_names or list(next(iter(rows), {}))  # a source without declared features: its first row
         if text_column not in columns:
             raise UsageError(f"data.text_column={text_column}: {path} has no such column; its columns: "
                              f"{', '.join(columns) or 'none (no row)'}")
         self.identity = {"path": path, "subset": subset, "split": split, "text column": text_column,
-                         "val_documents": val_documents, "files": rows.n_shards}
+                         "val_documents": val_documents, "files": files}
+        if reshard:  # parts of other sizes, read in another order by processes and workers
+            self.identity["parts (row groups)"] = rows.n_shards
         local = Path(path).expanduser()
         self.source_files = ({local.name: local} if local.is_file() else
                              {str(f.relative_to(local)): f for f in sorted(local.rglob("*"))
@@ -128,7 +146,8 @@ class StreamData(DataModule):
         """What the order of the windows the processes train on depends on, besides the source."""
         from accelerate import PartialState
 
-        split = (f"its {self.train.n_shards} files shared among {PartialState().num_processes} processes"
+        processes = PartialState().num_processes
+        split = (f"its {self.train.n_shards} {self.parts} shared among {processes} processes"
                  if self.parts_per_process() else "one stream for every process")
         return split + (f", read by {self.num_workers} loader workers each" if self.num_workers else "")
 
