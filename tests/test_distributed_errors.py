@@ -7,13 +7,13 @@ from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from src.errors import DistributedFailure, UsageError, told_to_the_launcher
 from src.faults.distributed_errors import lost_ranks_in_our_words
-from tests.conftest import QUIET, TINY_GPT, launchers_root_cause, named, refused, run
+from tests.conftest import QUIET, TINY_GPT, failed_launch, launchers_root_cause, named, refused, run
 
 
 def test_a_multi_process_launch_refused_before_training_ends_with_its_reason_in_the_launchers_table(tmp_path):
     """The launcher's closing table of failed ranks is what a user reads last: it names the mistake, not
     "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"."""
-    failed = run(["trainer.max_steps=0", f"hydra.run.dir={tmp_path / 'run'}"], nproc=2, check=False)
+    failed = failed_launch(["trainer.max_steps=0", f"hydra.run.dir={tmp_path / 'run'}"], nproc=2)
     assert failed.returncode != 0
     root_cause = launchers_root_cause(failed.stdout)
     assert "trainer.max_steps=0" in root_cause and ">= 1" in root_cause, failed.stdout[-4000:]
@@ -38,7 +38,7 @@ def test_the_launcher_reads_a_failed_workers_message_from_the_file_it_named(tmp_
 def test_a_parameter_without_gradient_under_ddp_is_named_with_the_key_that_allows_it(tmp_path):
     args = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.max_steps=3",
             "model._target_=tests.components.WithUnusedHead"]
-    failed = run([*args, f"hydra.run.dir={tmp_path / 'strict'}"], nproc=2, check=False)
+    failed = failed_launch([*args, f"hydra.run.dir={tmp_path / 'strict'}"], nproc=2)
     assert failed.returncode != 0
     assert "unused_head.weight, unused_head.bias" in failed.stdout, failed.stdout[-4000:]
     assert "trainer.ddp_find_unused_parameters=true" in failed.stdout

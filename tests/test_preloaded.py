@@ -15,6 +15,7 @@ from tests.conftest import (
     TINY_GPT,
     banner_row,
     exported_weights,
+    failed_launch,
     free_port,
     launchers_root_cause,
     max_abs_diff,
@@ -81,8 +82,8 @@ def test_a_forked_two_process_launch_trains_what_the_real_launcher_does_and_its_
     assert len(lines[0]) == len(banner) and lines[0] == lines[1]
     assert banner_row(forked.stdout, "gradient accumulation steps") == "2 (launcher: --gradient_accumulation_steps)"
 
-    refused = run(["trainer.max_epochs=2", "trainer.max_steps=100", f"hydra.run.dir={tmp_path / 'r'}"], nproc=2,
-                  check=False)
+    refused = failed_launch(["trainer.max_epochs=2", "trainer.max_steps=100", f"hydra.run.dir={tmp_path / 'r'}"],
+                            nproc=2)
     assert refused.returncode == 1  # the launcher's, for a failed worker
     printed = refused.stdout.split("ChildFailedError", 1)[0]  # the workers' own output, before the launcher's
     # Each worker checks; the first to refuse exits at once (os._exit, src/launch/shutdown.py), and the launcher
