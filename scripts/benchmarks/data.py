@@ -111,9 +111,19 @@ def first_step(overrides: list[str], tmp: Path) -> dict:
             "data_wait": [event.value for event in scalars(run_dir, "train/data_wait")]}
 
 
+def training_loader(data):
+    """The loader train.py trains from: accelerate's, torchdata's StatefulDataLoader for a stream (which hands each
+    batch's stream position over from its worker)."""
+    from accelerate import Accelerator, DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        use_seedable_sampler=True, dispatch_batches=False, use_stateful_dataloader=type(data).loader_state))
+    return accelerator.prepare(data.train_dataloader())
+
+
 def loader_tokens_per_s(data, batches: int) -> dict:
     """Tokens/s one process's training loader gives (no model: what it could feed), after its first batch."""
-    loader = iter(data.train_dataloader())
+    loader = iter(training_loader(data))
     first = next(loader)
     started, tokens = time.perf_counter(), 0
     for batch, _ in zip(loader, range(batches)):
@@ -121,6 +131,36 @@ def loader_tokens_per_s(data, batches: int) -> dict:
         tokens += inputs.numel()
     return {"batches": batches, "tokens_per_s": round(tokens / (time.perf_counter() - started)),
             "batch_shape": list((first["input_ids"] if isinstance(first, dict) else first[0]).shape)}
+
+
+def host_ms_per_batch(data, batches: int, pause_s: float) -> dict:
+    """The training process's own time in the loader per batch when each batch is followed by `pause_s` of waiting
+    (a GPU-bound step: the host launches its kernels and waits), what train/data_wait counts: the loader's work in
+    this process, or with workers, receiving what they prepared in the pause."""
+    loader = training_loader(data)
+    batches = min(batches, len(loader) - 1)  # within one epoch (a small corpus has fewer)
+    loader = iter(loader)
+    next(loader)
+    spent = []
+    for _ in range(batches):
+        time.sleep(pause_s)
+        started = time.perf_counter()
+        next(loader)
+        spent.append(time.perf_counter() - started)
+    spent.sort()
+    return {"batches": batches, "pause_ms": pause_s * 1e3, "median_ms": round(spent[len(spent) // 2] * 1e3, 3),
+            "mean_ms": round(sum(spent) / len(spent) * 1e3, 3), "worst_ms": round(spent[-1] * 1e3, 3)}
+
+
+def as_parquet(corpus: Path, path: Path) -> Path:
+    """The JSON Lines corpus as one Parquet file of row groups of 10,000 rows (at least 8 groups: what
+    data.reshard splits among workers)."""
+    import pyarrow.json
+    import pyarrow.parquet
+
+    table = pyarrow.json.read_json(corpus)
+    pyarrow.parquet.write_table(table, path, row_group_size=min(10_000, max(1, len(table) // 8)))
+    return path
 
 
 def prepare_timed(source: Path, out: Path, tokenizer: Path, workers: int, *flags: str) -> dict:
@@ -211,6 +251,7 @@ def data(args) -> dict:
             from src.data.shards import ShardData
             from src.data.stream import StreamData
 
+            parquet = as_parquet(corpus, tmp / "corpus.parquet")
             prepared = tmp / "prepared_1"
             if not prepared.is_dir():
                 run([sys.executable, "scripts/prepare_data.py", str(corpus), str(prepared), "--tokenizer",
@@ -218,10 +259,20 @@ def data(args) -> dict:
             for block, batch in ((256, 32), (1024, 8)):
                 shards = ShardData(path=str(prepared), block_size=block, batch_size=batch, random_windows=True)
                 report[f"loader, data=shards, block {block}"] = loader_tokens_per_s(shards, 200)
-                for workers in (0, 2):
-                    stream = StreamData(path=str(corpus), block_size=block, batch_size=batch, val_documents=100,
-                                        tokenizer=str(tokenizer), num_workers=workers)
-                    report[f"loader, data=stream, block {block}, {workers} workers"] = loader_tokens_per_s(stream, 200)
+                for source, name, extra in ((corpus, "one JSON Lines file", {}),
+                                            (parquet, "one Parquet file, data.reshard=true", {"reshard": True})):
+                    for workers in (0, 2):
+                        stream = StreamData(path=str(source), block_size=block, batch_size=batch, val_documents=100,
+                                            tokenizer=str(tokenizer), num_workers=workers, **extra)
+                        report[f"loader, data=stream ({name}), block {block}, {workers} workers"] = (
+                            loader_tokens_per_s(stream, 200))
+            # The GPU benchmark's micro-batch (12 x 1,024) between pauses of its step's fifth (139 ms at 12 x 5 on
+            # one H100): the host's share of a step that the data takes, in the process and with workers.
+            for workers in (0, 1, 2):
+                shards = ShardData(path=str(prepared), block_size=1024, batch_size=12, random_windows=True,
+                                   num_workers=workers)
+                report[f"host time per batch, data=shards, 12 x 1024, {workers} workers"] = host_ms_per_batch(
+                    shards, 200, 0.028)
     return report
 
 
