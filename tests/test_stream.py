@@ -102,9 +102,10 @@ def test_the_held_out_rows_never_train_however_the_stream_is_split_among_process
     assert "<0-020>" in text and "<1-000>" in text and "<1-019>" in text  # every other row of both files does
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers, row_groups", [(0, False), (2, False), (2, True)],
+                         ids=["in the process", "two workers, one file", "two workers, each its row groups"])
 def test_a_loader_restored_from_its_saved_position_continues_the_stream_without_tokenizing_what_it_read(
-        tmp_path, monkeypatch, workers):
+        tmp_path, monkeypatch, workers, row_groups):
     from accelerate import Accelerator, DataLoaderConfiguration
 
     import src.data.stream as stream
@@ -116,9 +117,15 @@ def test_a_loader_restored_from_its_saved_position_continues_the_stream_without_
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
         dispatch_batches=False, use_stateful_dataloader=True))
 
+    source, extra = SPEECHES, {}
+    if row_groups:  # data.reshard=true: each worker reads its own row groups, and each keeps its own position
+        texts = [json.loads(line)["text"] for line in SPEECHES.read_text().splitlines()]
+        source = one_parquet_file(tmp_path / "corpus.parquet", *[texts[i : i + 100] for i in range(0, 800, 100)])
+        extra = {"reshard": True}
+
     def loader():
-        data = stream.StreamData(path=str(SPEECHES), block_size=16, val_documents=100, batch_size=8,
-                                 num_workers=workers)
+        data = stream.StreamData(path=str(source), block_size=16, val_documents=100, batch_size=8,
+                                 num_workers=workers, **extra)
         return accelerator.prepare(data.train_dataloader())
 
     def ids(batch) -> list:
@@ -127,17 +134,19 @@ def test_a_loader_restored_from_its_saved_position_continues_the_stream_without_
     first, state = loader(), TrainState()
     batches = iter(first)
     read = [ids(next(batches)) for _ in range(60)]  # past several map batches (and a loader's look-ahead)
-    StreamPosition(accelerator, first).save(tmp_path, state)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    StreamPosition(accelerator, first).save(saved, state)
     expected = [ids(next(batches)) for _ in range(20)]
-    write_checksums(tmp_path)  # as a checkpoint's commit does: the resume verifies the file against it
+    write_checksums(saved)  # as a checkpoint's commit does: the resume verifies the file against it
     second = loader()
     tokenized = []  # the texts the restored loader tokenizes, from here on
     real = stream.tokenized_documents
     monkeypatch.setattr(stream, "tokenized_documents", lambda codec, texts: tokenized.append(texts) or real(codec,
                                                                                                          texts))
     position = StreamPosition(accelerator, second)
-    position.load(tmp_path, state, data_changed=False)
-    assert position.restored and json.loads((tmp_path / position_file(0)).read_text())["pass"] == 0
+    position.load(saved, state, data_changed=False)
+    assert position.restored and json.loads((saved / position_file(0)).read_text())["pass"] == 0
     batches = iter(second)
     assert [ids(next(batches)) for _ in range(20)] == expected
     assert read[-1] != expected[0]
