@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import (
     GPU_ENV,
     QUIET,
+    ROOT,
     TINY_GPT,
     banner_row,
     exported_weights,
@@ -124,3 +125,24 @@ def test_the_chunked_loss_lowers_a_cuda_micro_steps_peak_memory_and_keeps_its_lo
     report = json.loads(done.stdout)
     assert report["peak_ratio_plain_over_chunked"] >= 2, report
     assert report["loss_difference"] <= 1e-6 * abs(report["chunk_tokens=null"]["loss"]), report
+
+
+def test_shards_read_by_loader_workers_through_the_pinning_thread_resume_bitwise_on_cuda(tmp_path):
+    """The recipe's loader on a GPU (data=shards, random windows, byte tokens written as a prepared folder): two
+    loader workers hand their batches to the DataLoader's pinning thread, copied to the GPU without blocking; a run
+    resumed from its step-4 checkpoint ends as the whole run did, weights bitwise."""
+    import numpy as np
+
+    from scripts.benchmarks.gpu import write_shards
+
+    folder = tmp_path / "bytes.shards"
+    write_shards(np.frombuffer((ROOT / "data" / "tinyshakespeare.txt").read_bytes(), np.uint8).astype(np.uint16),
+                 folder)
+    args = [*SHORT, "data=shards", f"data.path={folder}", "data.random_windows=true", "data.num_workers=2",
+            "scheduler=constant", "trainer.mixed_precision=bf16", "trainer.gradient_accumulation_steps=2"]
+    whole = gpu_run([*args, "trainer.max_steps=8", f"hydra.run.dir={tmp_path / 'whole'}"])
+    assert banner_row(whole.stdout, "device").startswith("cuda")
+    gpu_run([*args, "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'resumed'}"])
+    gpu_run([*args, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={tmp_path / 'resumed'}"])
+    assert scalars(tmp_path / "whole", "train/loss") == scalars(tmp_path / "resumed", "train/loss")
+    assert max_abs_diff(exported_weights(tmp_path / "whole"), exported_weights(tmp_path / "resumed")) == 0
