@@ -8,9 +8,8 @@ far into the batch of rows being cut), each checkpoint saves it per process, and
 fewer, every process reads the whole stream and takes its share of each global batch, and a resume then reads it
 again up to its position (exact on any number of processes, slow at billions of tokens: give a large corpus at
 least as many files as processes, split Parquet files by row group with data.reshard=true, or prepare it into
-shards, scripts/prepare_data.py). The order of the windows
-depends on that layout and on the loader's workers: both are in the data's fingerprint, so a resume that would read
-another order is refused naming it.
+shards, scripts/prepare_data.py). The order of the windows depends on that layout and on the loader's workers: both
+are in the data's fingerprint, so a resume that would read another order is refused naming it.
 """
 
 import logging
