@@ -106,16 +106,16 @@ def test_the_held_out_rows_never_train_however_the_stream_is_split_among_process
                          ids=["in the process", "two workers, one file", "two workers, each its row groups"])
 def test_a_loader_restored_from_its_saved_position_continues_the_stream_without_tokenizing_what_it_read(
         tmp_path, monkeypatch, workers, row_groups):
-    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate import Accelerator
 
     import src.data.stream as stream
     from src.checkpointing.checksums import write_checksums
+    from src.launch.accelerator import loader_configuration
     from src.loop.stream_position import StreamPosition, position_file
     from src.loop.train_state import TrainState
 
     monkeypatch.setattr(stream, "ROWS_PER_MAP", 10)  # many map batches in a few hundred rows
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
-        dispatch_batches=False, use_stateful_dataloader=True))
+    accelerator = Accelerator(cpu=True, dataloader_config=loader_configuration(stateful_loaders=True))  # train.py's
 
     source, extra = SPEECHES, {}
     if row_groups:  # data.reshard=true: each worker reads its own row groups, and each keeps its own position

@@ -114,10 +114,11 @@ def first_step(overrides: list[str], tmp: Path) -> dict:
 def training_loader(data):
     """The loader train.py trains from: accelerate's, torchdata's StatefulDataLoader for a stream (which hands each
     batch's stream position over from its worker)."""
-    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
-        use_seedable_sampler=True, dispatch_batches=False, use_stateful_dataloader=type(data).loader_state))
+    from src.launch.accelerator import loader_configuration
+
+    accelerator = Accelerator(cpu=True, dataloader_config=loader_configuration(type(data).loader_state))
     return accelerator.prepare(data.train_dataloader())
 
 

@@ -46,7 +46,8 @@ def timed_lines(cmd: list[str], cwd: Path, env: dict) -> list[tuple[float, str]]
                             stderr=subprocess.STDOUT)
     lines = [(time.perf_counter(), line.rstrip("\n")) for line in proc.stdout]
     if proc.wait():
-        sys.exit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n" + "\n".join(text for _, text in lines[-60:]))
+        last = "\n".join(text for _, text in lines[-60:])
+        sys.exit(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{last}")
     return lines
 
 

@@ -21,6 +21,20 @@ from src.reporting.trackers import trackers_for
 log = logging.getLogger(__name__)
 
 
+def loader_configuration(stateful_loaders: bool) -> DataLoaderConfiguration:
+    """How accelerate prepares every loader of a run (the data benchmark's loaders too)."""
+    return DataLoaderConfiguration(
+        # A seedable sampler makes the shuffle order a function of (seed, epoch): what mid-epoch resume needs.
+        use_seedable_sampler=True,
+        # Batches copy to the GPU asynchronously from pinned memory (see src/data/base.py).
+        non_blocking=torch.cuda.is_available(),
+        # No dispatch: each process reads its own part of an iterable dataset (a stream's files), instead of rank 0
+        # reading all of it for every process (accelerate's default for iterables).
+        dispatch_batches=False,
+        use_stateful_dataloader=stateful_loaders,
+    )
+
+
 def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Path,
                       stateful_loaders: bool = False) -> Accelerator:
     """`stateful_loaders`: the data resumes from its loader's own state (a stream, src/loop/stream_position.py):
@@ -41,14 +55,7 @@ def build_accelerator(trainer: DictConfig, settings: LaunchSettings, run_dir: Pa
                 # so every optimizer step averages exactly gradient_accumulation_steps full micro-batches.
                 sync_with_dataloader=False,
             ),
-            # A seedable sampler makes the shuffle order a function of (seed, epoch): what mid-epoch resume needs.
-            # non_blocking: batches copy to the GPU asynchronously from pinned memory (see src/data/base.py).
-            # No dispatch: each process reads its own part of an iterable dataset (a stream's files), instead of
-            # rank 0 reading all of it for every process (accelerate's default for iterables).
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True,
-                                                      non_blocking=torch.cuda.is_available(),
-                                                      dispatch_batches=False,
-                                                      use_stateful_dataloader=stateful_loaders),
+            dataloader_config=loader_configuration(stateful_loaders),
             # train.py steps the LR schedule once per optimizer step itself; accelerate's default would step it
             # num_processes times per update.
             step_scheduler_with_optimizer=False,
