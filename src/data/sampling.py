@@ -60,6 +60,9 @@ class Permutation(Sampler[int]):
         return x
 
     def __iter__(self) -> Iterator[int]:
-        with np.errstate(over="ignore"):
-            for start in range(0, self.n, _BLOCK):
-                yield from self.permute(np.arange(start, min(start + _BLOCK, self.n), dtype=np.uint64)).tolist()
+        for start in range(0, self.n, _BLOCK):
+            # Not around the yield: data.read_ahead resumes this generator in another thread, whose context
+            # numpy's errstate could not restore.
+            with np.errstate(over="ignore"):
+                block = self.permute(np.arange(start, min(start + _BLOCK, self.n), dtype=np.uint64)).tolist()
+            yield from block
