@@ -98,7 +98,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     evaluate.before_training(state.step)  # trainer.eval_on_start: a fresh run's metrics at step 0
     stop_reason = stop.before_training(state)  # resumed from an early stop: nothing left to train
     windows = accumulation_windows(accelerator, train_loader, state, trainer.max_steps,
-                                   trainer.gradient_accumulation_steps, run.epoch_steps, position)
+                                   trainer.gradient_accumulation_steps, run.epoch_steps, position, run.data.read_ahead)
     for window in telemetry.timed_windows([] if stop_reason else windows):
         hang_watch.beat(state.step)  # armed by the first: a first step that never ends is reported too
         result = train_step(window, state.step)

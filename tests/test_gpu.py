@@ -146,3 +146,25 @@ def test_shards_read_by_loader_workers_through_the_pinning_thread_resume_bitwise
     gpu_run([*args, "trainer.max_steps=8", "resume=auto", f"hydra.run.dir={tmp_path / 'resumed'}"])
     assert scalars(tmp_path / "whole", "train/loss") == scalars(tmp_path / "resumed", "train/loss")
     assert max_abs_diff(exported_weights(tmp_path / "whole"), exported_weights(tmp_path / "resumed")) == 0
+
+
+def test_reading_ahead_in_a_thread_on_cuda_trains_what_the_training_thread_reads_and_resumes_bitwise(tmp_path):
+    """data.read_ahead=true on a GPU: the reading thread pins the next step's micro-batches and starts their copy
+    on this rank's GPU while a step runs; the weights are those of the run that reads in the training thread,
+    also after a resume from the step-4 checkpoint."""
+    import numpy as np
+
+    from scripts.benchmarks.gpu import write_shards
+
+    folder = tmp_path / "bytes.shards"
+    write_shards(np.frombuffer((ROOT / "data" / "tinyshakespeare.txt").read_bytes(), np.uint8).astype(np.uint16),
+                 folder)
+    args = [*SHORT, "data=shards", f"data.path={folder}", "data.random_windows=true", "scheduler=constant",
+            "trainer.mixed_precision=bf16", "trainer.gradient_accumulation_steps=3"]
+    gpu_run([*args, "trainer.max_steps=8", f"hydra.run.dir={tmp_path / 'in_thread'}"])
+    ahead = [*args, "data.read_ahead=true", f"hydra.run.dir={tmp_path / 'ahead'}"]
+    first = gpu_run([*ahead, "trainer.max_steps=4"])
+    assert "a thread of this process reads the next optimizer step's micro-batches" in first.stdout
+    gpu_run([*ahead, "trainer.max_steps=8", "resume=auto"])
+    assert scalars(tmp_path / "ahead", "train/loss") == scalars(tmp_path / "in_thread", "train/loss")
+    assert max_abs_diff(exported_weights(tmp_path / "in_thread"), exported_weights(tmp_path / "ahead")) == 0

@@ -1,7 +1,9 @@
 """The loop's pure logic, in process: what improves, when early stopping stops, the LR schedules, which
 samples each optimizer step takes (and takes again after a resume), and which overrides a resume accepts."""
 
+import logging
 import math
+import threading
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from src.checkpointing.resume import config_for_resume
 from src.errors import UsageError
 from src.loop.accumulation import accumulation_windows, steps_per_epoch
 from src.loop.early_stopping import EarlyStopping
+from src.loop.read_ahead import ReadAhead
 from src.loop.step import TrainStep
 from src.loop.train_state import TrainState, improves
 from src.objectives.classification import CrossEntropy
@@ -100,13 +103,16 @@ def accelerator():
 SAMPLES = 40
 
 
-def step_samples(accelerator, batch_size: int, accumulation: int, state: TrainState, max_steps: int) -> list:
+def step_samples(accelerator, batch_size: int, accumulation: int, state: TrainState, max_steps: int,
+                 read_ahead: bool = False, dataset=None) -> list:
     """The samples each optimizer step takes, from where `state` is, and the position after each step."""
-    loader = accelerator.prepare(DataLoader(list(range(SAMPLES)), batch_size=batch_size, shuffle=True))
+    dataset = list(range(SAMPLES)) if dataset is None else dataset
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=batch_size, shuffle=True))
     global_batch = batch_size * accumulation
     epoch_steps = steps_per_epoch(loader.dataset, global_batch, "layout")
     out = []
-    for window in accumulation_windows(accelerator, loader, state, max_steps, accumulation, epoch_steps):
+    for window in accumulation_windows(accelerator, loader, state, max_steps, accumulation, epoch_steps,
+                                       read_ahead=read_ahead):
         state.step += 1
         out.append((sorted(torch.cat(window).tolist()), (state.epoch, state.samples_into_epoch)))
     return out
@@ -133,6 +139,69 @@ def test_a_run_resumed_from_its_position_takes_the_samples_the_uninterrupted_run
 def test_another_split_of_the_same_global_batch_takes_the_same_samples_at_every_step(accelerator):
     assert ([s for s, _ in step_samples(accelerator, 3, 2, TrainState(), 12)]
             == [s for s, _ in step_samples(accelerator, 2, 3, TrainState(), 12)])
+
+
+class ReadBy:
+    """Samples 0..SAMPLES-1 that note which thread read each, and draw from torch's global generator if told."""
+
+    def __init__(self, draws: bool = False):
+        self.draws, self.threads = draws, []
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int) -> int:
+        self.threads.append(threading.current_thread().name)
+        if self.draws:
+            torch.rand(())
+        return i
+
+
+@pytest.mark.parametrize("stopped_after", [0, 4, 9])
+def test_reading_ahead_takes_the_same_samples_and_positions_as_reading_in_the_training_thread(accelerator,
+                                                                                           stopped_after):
+    whole = step_samples(accelerator, 2, 3, TrainState(), max_steps=12)
+    state = TrainState()
+    if stopped_after:
+        epoch, samples_into_epoch = whole[stopped_after - 1][1]
+        state = TrainState(step=stopped_after, epoch=epoch, samples_into_epoch=samples_into_epoch)
+    dataset = ReadBy()
+    assert step_samples(accelerator, 2, 3, state, 12, read_ahead=True, dataset=dataset) == whole[stopped_after:]
+    # Each epoch's first window is the training thread's (the loader's start); the rest the reader's.
+    assert "read-ahead" in dataset.threads and dataset.threads[0] == threading.main_thread().name
+
+
+def test_reading_ahead_reads_no_sample_more_than_the_training_thread_would(accelerator):
+    in_thread, ahead = ReadBy(), ReadBy()
+    step_samples(accelerator, 2, 3, TrainState(), max_steps=6, dataset=in_thread)  # an epoch of 6 steps of 6
+    step_samples(accelerator, 2, 3, TrainState(), max_steps=6, read_ahead=True, dataset=ahead)
+    assert len(ahead.threads) == len(in_thread.threads) < SAMPLES  # what is left over is not read
+
+
+def test_a_dataset_drawing_from_the_global_generator_is_read_in_the_training_thread(accelerator, caplog):
+    whole = step_samples(accelerator, 2, 3, TrainState(), max_steps=12)
+    dataset = ReadBy(draws=True)
+    with caplog.at_level(logging.WARNING):
+        assert step_samples(accelerator, 2, 3, TrainState(), 12, read_ahead=True, dataset=dataset) == whole
+    assert set(dataset.threads) == {threading.main_thread().name}
+    named(caplog.text, "data.read_ahead=true", "global random generator", "(seed, epoch, index)")
+
+
+def test_a_reader_hands_on_the_error_of_the_batch_it_failed_at_and_stops_when_closed():
+    def items():
+        yield from (0, 1)
+        raise RuntimeError("batch 2 is corrupt")
+
+    reader = ReadAhead(items(), count=5, depth=1, device=torch.device("cpu"))
+    assert [next(reader), next(reader)] == [0, 1]
+    with pytest.raises(RuntimeError, match="batch 2 is corrupt"):
+        next(reader)
+    reader.close()
+    blocked = ReadAhead(iter(range(100)), count=100, depth=2, device=torch.device("cpu"))
+    assert next(blocked) == 0
+    blocked.close()  # the reader waits on a full queue: it stops instead
+    assert not blocked._thread.is_alive()
+    assert list(ReadAhead(iter(range(100)), count=3, depth=2, device=torch.device("cpu"))) == [0, 1, 2]
 
 
 def test_a_training_set_smaller_than_one_global_batch_is_refused_with_the_keys_to_change():

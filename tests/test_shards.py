@@ -93,6 +93,25 @@ def test_a_run_on_shards_killed_mid_epoch_resumes_bitwise_and_on_two_processes_t
     assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
 
 
+def test_reading_ahead_in_a_thread_trains_the_same_weights_on_two_processes_and_a_killed_run_resumes_bitwise(
+        tmp_path):
+    # A corpus of about 9 steps an epoch: the 30 steps start the reader anew in each of 4 epochs, the kill at step
+    # 10 falls in the second.
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join((ROOT / "data" / "shakespeare_speeches.jsonl").read_text().splitlines(True)[:35]))
+    prepare(small, tmp_path / "shards", "--val-fraction", "0.1")
+    in_thread, ahead = tmp_path / "in_thread", tmp_path / "ahead"
+    accumulating = "trainer.gradient_accumulation_steps=2"
+    run(shard_args(tmp_path / "shards", in_thread, accumulating), nproc=2)
+    kill_when(shard_args(tmp_path / "shards", ahead, accumulating, "data.read_ahead=true"), 2,
+              ready=lambda: (ahead / "checkpoints" / "step_00000010").is_dir())
+    resumed = run([*shard_args(tmp_path / "shards", ahead, accumulating, "data.read_ahead=true"), "resume=auto"],
+                  nproc=2)
+    assert "a thread of this process reads the next optimizer step's micro-batches" in resumed.stdout
+    assert scalars(ahead, "train/loss") == scalars(in_thread, "train/loss")
+    assert max_abs_diff(exported_weights(ahead), exported_weights(in_thread)) == 0
+
+
 def test_packed_shards_hold_every_document_whole_once_attending_to_itself_with_targets_inside_it(speeches):
     from src.data.jsonl import IGNORE_INDEX
     from src.data.shards import ShardData

@@ -35,6 +35,9 @@ def test_the_stream_trains_windows_across_its_documents_in_their_order_after_the
     assert data.val[0][0].tolist() == held_out[:16] and len(data.val) == (len(held_out) - 1) // 16
     with pytest.raises(UsageError, match="data.text_column=body.*its columns: text"):
         StreamData(path=str(SPEECHES), block_size=16, text_column="body")
+    # Its loader keeps its position: a thread reading ahead of the loop would move it past what trained.
+    with pytest.raises(UsageError, match="data.read_ahead=true.*has none.*data.num_workers"):
+        StreamData(path=str(SPEECHES), block_size=16, read_ahead=True).train_dataloader()
 
 
 def two_files(folder: Path, first: slice, second: slice) -> Path:

@@ -131,6 +131,7 @@ class DataModule:
     # load_state_dict): its loader (torchdata's StatefulDataLoader) is saved in each checkpoint, and a resume continues
     # there instead of reading the data again up to it (src/loop/stream_position.py).
     loader_state: bool = False
+    read_ahead: bool = False  # see __init__
 
     def __init__(
         self,
@@ -140,11 +141,15 @@ class DataModule:
                                                       ge=1)] = None,
         prefetch_factor: Annotated[Optional[int], Arg("batches each worker loads ahead (null: PyTorch's 2; only "
                                                       "with num_workers > 0)", ge=1)] = None,
+        read_ahead: Annotated[bool, Arg("a thread of the training process reads, pins and sends the next optimizer "
+                                        "step's micro-batches to the device while a step runs (a dataset with a "
+                                        "length; the same batches, src/loop/read_ahead.py)")] = False,
     ):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.eval_batch_size = eval_batch_size or batch_size
         self.prefetch_factor = prefetch_factor
+        self.read_ahead = read_ahead
 
     @classmethod
     def provides(cls) -> list[str]:
@@ -203,6 +208,11 @@ class DataModule:
         )
 
     def train_dataloader(self) -> DataLoader:
+        if self.read_ahead and not isinstance(self.train, Sized):
+            raise UsageError(f"data.read_ahead=true reads ahead within an epoch of a dataset with a length; this "
+                             f"one ({type(self.train).__name__}) has none. A stream keeps its position in its loader, "
+                             "which a reader ahead would move past the batches trained on: set data.read_ahead=false "
+                             "and read it with data.num_workers")
         if isinstance(self.train, Sized) and len(self.train) < self.batch_size:
             raise UsageError(
                 f"data.batch_size={self.batch_size} is larger than the training set ({len(self.train)} samples)"

@@ -19,6 +19,7 @@ from accelerate import Accelerator
 
 from src.data.base import FirstSamples
 from src.errors import UsageError
+from src.loop.read_ahead import EpochBatches
 from src.loop.stream_position import StreamPosition
 from src.loop.train_state import TrainState
 from src.objectives.base import Objective
@@ -62,7 +63,8 @@ def fit_run_to_data(data, trainer, layout: TrainState) -> tuple[Optional[int], i
 
 
 def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, max_steps: int, accumulation: int,
-                         epoch_steps: Optional[int], position: Optional[StreamPosition] = None) -> Iterator[list]:
+                         epoch_steps: Optional[int], position: Optional[StreamPosition] = None,
+                         read_ahead: bool = False) -> Iterator[list]:
     """Lists of `accumulation` micro-batches, one per optimizer step, `epoch_steps` per epoch, until
     max_steps, starting where `state` says.
 
@@ -70,6 +72,8 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
     iterating), so skipping the samples already consumed continues an interrupted epoch exactly. The
     position is counted in samples of all processes together, so it means the same on any layout. A stream
     whose loader keeps its own position (`position`, src/loop/stream_position.py) continues from that instead.
+    With `read_ahead` (a dataset with a length), a background thread reads each next window while a step runs
+    (src/loop/read_ahead.py); the position still counts the windows taken here.
     """
     # Samples all processes take in one micro-step (accelerate knows it from the batch sampler, which a dataset
     # without a length has not: each process then takes its own batch of its shard of the stream).
@@ -87,22 +91,28 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
                      "up to there", state.samples_into_epoch, state.epoch)
         epoch_loader = accelerator.skip_first_batches(loader, done_steps * accumulation) if done_steps else loader
         batches = iter(epoch_loader)
+        if read_ahead and epoch_steps is not None:
+            batches = EpochBatches(batches, len(remaining) * accumulation, accumulation, accelerator.device)
         too_short = UsageError(f"the training data ended before one global batch ({per_micro_step * accumulation} "
                                "samples): a dataset without a length and without samples enough to train on (check "
                                "data.path, and what validation holds out of it)")
-        for taken in remaining:
-            try:
-                window = list(itertools.islice(batches, accumulation))
-            except ValueError as error:  # accelerate's words for an iterable that gave nothing at all
-                raise too_short if "does not contain any data" in str(error) else error from None
-            if len(window) < accumulation:  # a dataset without a length ended: its partial window waits
-                if taken == 0 and fresh:  # and it would end every epoch so: the run would never end
-                    raise too_short
-                break
-            state.samples_into_epoch += per_micro_step * accumulation
-            yield window
-            if state.step >= max_steps:
-                return
+        try:
+            for taken in remaining:
+                try:
+                    window = list(itertools.islice(batches, accumulation))
+                except ValueError as error:  # accelerate's words for an iterable that gave nothing at all
+                    raise too_short if "does not contain any data" in str(error) else error from None
+                if len(window) < accumulation:  # a dataset without a length ended: its partial window waits
+                    if taken == 0 and fresh:  # and it would end every epoch so: the run would never end
+                        raise too_short
+                    break
+                state.samples_into_epoch += per_micro_step * accumulation
+                yield window
+                if state.step >= max_steps:
+                    return
+        finally:  # the loader is the training thread's again (also when the loop stops early)
+            if isinstance(batches, EpochBatches):
+                batches.close()
         epoch_loader.end()  # an epoch cut at whole global batches never reaches the loader's own end
         if position is not None:
             position.pass_ended(state)

@@ -1,0 +1,146 @@
+"""data.read_ahead: the next optimizer step's micro-batches are read, pinned and sent to the device by a background
+thread while the current step runs, so that the training process only takes them from a queue.
+
+On a GPU the host launches a step's kernels and runs ahead of the device; what it spends in the loader (reading
+the windows, pinning them, starting their copy) is host time the telemetry counts as data wait (about 0.55 ms a
+micro-batch at GPT-2-124M's shape on an H100, 2 % of the step). The DataLoader's own pinning thread exists only
+with worker processes, whose batches cross to the training process through shared memory and pickles (2.3 ms a
+12 x 1,025 batch measured on CPU, more than reading it): for a memory-mapped token file, one thread of the
+training process reads ahead for less.
+
+Exact: one reader takes the same batches in the same order, and the position a checkpoint saves is counted from
+the micro-batches the loop took (src/loop/accumulation.py), never from the reader's. The reader never reads past
+the micro-batches the epoch will take, and touches nothing the training thread uses but the loader it was
+handed: the loader's start (accelerate's seeding broadcast, a collective) runs in the training thread, before the
+reader starts. A dataset whose samples draw from a global random generator (torch's, numpy's, Python's) would
+interleave those draws with the training's (dropout) in an order set by the threads' timing; such a dataset is
+read in the training thread instead, and the log says why (draw from a generator of (seed, epoch, index), as
+src/data/cifar10.py does).
+"""
+
+import logging
+import queue
+import random
+import threading
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_END = object()  # the reader took all it was asked for, or the loader ended
+
+
+class ReadAhead:
+    """Up to `depth` items of `items` taken ahead by a background thread, at most `count` in all."""
+
+    def __init__(self, items: Iterator, count: int, depth: int, device: torch.device):
+        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(items, count, device), name="read-ahead",
+                                        daemon=True)
+        self._thread.start()
+
+    def _read(self, items: Iterator, count: int, device: torch.device) -> None:
+        # As the DataLoader's pinning thread does: CUDA's current device is per thread (pinned memory and the copy
+        # belong to this rank's GPU, not GPU 0), and one CPU thread is enough to copy a batch.
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        torch.set_num_threads(1)
+        try:
+            for _ in range(count):
+                if not self._put((True, next(items))):
+                    return
+        except StopIteration:
+            pass
+        except BaseException as error:  # re-raised in the training thread, at the batch it concerns
+            self._put((False, error))
+            return
+        self._put((True, _END))
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> "ReadAhead":
+        return self
+
+    def __next__(self) -> Any:
+        ok, item = self._queue.get()
+        if not ok:
+            self._queue.put((False, item))  # every later call raises it too
+            raise item
+        if item is _END:
+            self._queue.put((True, _END))
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stops the reader after the item it is reading (if any) and waits for it: the loader is then the
+        training thread's again."""
+        self._stop.set()
+        self._thread.join()
+
+
+def global_random_states() -> tuple:
+    return torch.random.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def same_random_states(before: tuple, after: tuple) -> bool:
+    (torch_before, numpy_before, python_before), (torch_after, numpy_after, python_after) = before, after
+    return (torch.equal(torch_before, torch_after) and python_before == python_after
+            and numpy_before[0] == numpy_after[0] and np.array_equal(numpy_before[1], numpy_after[1])
+            and numpy_before[2:] == numpy_after[2:])
+
+
+class EpochBatches:
+    """An epoch's `count` micro-batches: the first two read by the training thread (the loader's start, which may
+    draw random numbers and broadcast a seed, then one batch read to see whether reading draws from a global random
+    generator), the rest by a reader `depth` micro-batches ahead."""
+
+    def __init__(self, batches: Iterator, count: int, depth: int, device: torch.device):
+        self.batches, self.count, self.depth, self.device = batches, count, depth, device
+        self.taken, self.states_before, self.reader = 0, None, None
+
+    def __iter__(self) -> "EpochBatches":
+        return self
+
+    def __next__(self) -> Any:
+        if self.taken == 2 and self.count > 2:
+            if same_random_states(self.states_before, global_random_states()):
+                self.reader = ReadAhead(self.batches, self.count - 2, self.depth, self.device)
+                _tell_once(reading=True)
+            else:
+                _tell_once(reading=False)
+        if self.taken == 1:
+            self.states_before = global_random_states()
+        item = next(self.reader or self.batches)
+        self.taken += 1
+        return item
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+
+_told: set[bool] = set()  # once a run each: the reader started, or a dataset kept it from starting
+
+
+def _tell_once(reading: bool) -> None:
+    if reading in _told:
+        return
+    _told.add(reading)
+    if reading:
+        log.info("data.read_ahead=true: a thread of this process reads the next optimizer step's micro-batches while "
+                 "a step runs")
+    else:
+        log.warning("data.read_ahead=true: reading a batch drew from a global random generator (torch's, numpy's or "
+                    "Python's), so the data is read in the training thread, not ahead: a background thread would "
+                    "interleave those draws with the training's in an order set by timing. Draw from a generator of "
+                    "(seed, epoch, index) instead, as src/data/cifar10.py does.")
