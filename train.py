@@ -119,6 +119,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
             checkpointer.step_finished(state, step_metrics, stopping=stop_reason is not None)
         if stop_reason:
             break
+    windows.close()  # data.read_ahead: its reading thread stops here, not during the export
     progress.close()
     preemption.close()
     telemetry.summary(run_dir, stop_reason or FINISHED, state, {**train_step.reported, **evaluate.last},
