@@ -192,16 +192,17 @@ def test_a_reader_hands_on_the_error_of_the_batch_it_failed_at_and_stops_when_cl
         yield from (0, 1)
         raise RuntimeError("batch 2 is corrupt")
 
-    reader = ReadAhead(items(), count=5, depth=1, device=torch.device("cpu"))
-    assert [next(reader), next(reader)] == [0, 1]
+    reader = ReadAhead(items(), count=5, chunk=3, device=torch.device("cpu"))
+    assert [next(reader), next(reader)] == [0, 1]  # what it read before the error
     with pytest.raises(RuntimeError, match="batch 2 is corrupt"):
         next(reader)
     reader.close()
-    blocked = ReadAhead(iter(range(100)), count=100, depth=2, device=torch.device("cpu"))
+    blocked = ReadAhead(iter(range(100)), count=100, chunk=2, device=torch.device("cpu"))
     assert next(blocked) == 0
     blocked.close()  # the reader waits on a full queue: it stops instead
     assert not blocked._thread.is_alive()
-    assert list(ReadAhead(iter(range(100)), count=3, depth=2, device=torch.device("cpu"))) == [0, 1, 2]
+    assert list(ReadAhead(iter(range(100)), count=5, chunk=2, device=torch.device("cpu"))) == [0, 1, 2, 3, 4]
+    assert list(ReadAhead(iter(range(3)), count=5, chunk=2, device=torch.device("cpu"))) == [0, 1, 2]
 
 
 def test_a_training_set_smaller_than_one_global_batch_is_refused_with_the_keys_to_change():

@@ -18,6 +18,7 @@ read in the training thread instead, and the log says why (draw from a generator
 src/data/cifar10.py does).
 """
 
+import collections
 import logging
 import queue
 import random
@@ -29,35 +30,42 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_END = object()  # the reader took all it was asked for, or the loader ended
-
-
 class ReadAhead:
-    """Up to `depth` items of `items` taken ahead by a background thread, at most `count` in all."""
+    """`count` items of `items`, taken by a background thread `chunk` at a time (an optimizer step's micro-batches,
+    handed over at once: the training thread then waits for the reader once a step, not once a micro-batch), one
+    chunk ready while it reads the next."""
 
-    def __init__(self, items: Iterator, count: int, depth: int, device: torch.device):
-        self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+    def __init__(self, items: Iterator, count: int, chunk: int, device: torch.device):
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._ready: collections.deque = collections.deque()
+        self._ended: BaseException | None = None  # the reader's last word: StopIteration or the error it met
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, args=(items, count, device), name="read-ahead",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._read, args=(items, count, max(chunk, 1), device),
+                                        name="read-ahead", daemon=True)
         self._thread.start()
 
-    def _read(self, items: Iterator, count: int, device: torch.device) -> None:
+    def _read(self, items: Iterator, count: int, chunk: int, device: torch.device) -> None:
         # As the DataLoader's pinning thread does: CUDA's current device is per thread (pinned memory and the copy
         # belong to this rank's GPU, not GPU 0), and one CPU thread is enough to copy a batch.
         if device.type == "cuda":
             torch.cuda.set_device(device)
         torch.set_num_threads(1)
+        taken: list = []
         try:
             for _ in range(count):
-                if not self._put((True, next(items))):
-                    return
-        except StopIteration:
-            pass
-        except BaseException as error:  # re-raised in the training thread, at the batch it concerns
-            self._put((False, error))
+                taken.append(next(items))
+                if len(taken) == chunk:
+                    if not self._put(taken):
+                        return
+                    taken = []
+            ended: BaseException = StopIteration()
+        except StopIteration as end:
+            ended = end
+        except BaseException as error:  # raised in the training thread after the items read before it
+            ended = error
+        if taken and not self._put(taken):
             return
-        self._put((True, _END))
+        self._put(ended)
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():
@@ -72,14 +80,15 @@ class ReadAhead:
         return self
 
     def __next__(self) -> Any:
-        ok, item = self._queue.get()
-        if not ok:
-            self._queue.put((False, item))  # every later call raises it too
-            raise item
-        if item is _END:
-            self._queue.put((True, _END))
-            raise StopIteration
-        return item
+        while not self._ready:
+            if self._ended is not None:
+                raise self._ended
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                self._ended = item
+            else:
+                self._ready.extend(item)
+        return self._ready.popleft()
 
     def close(self) -> None:
         """Stops the reader after the item it is reading (if any) and waits for it: the loader is then the
@@ -100,21 +109,23 @@ def same_random_states(before: tuple, after: tuple) -> bool:
 
 
 class EpochBatches:
-    """An epoch's `count` micro-batches: the first two read by the training thread (the loader's start, which may
-    draw random numbers and broadcast a seed, then one batch read to see whether reading draws from a global random
-    generator), the rest by a reader `depth` micro-batches ahead."""
+    """An epoch's `count` micro-batches, `step` an optimizer step: the first step (two if a step is one micro-batch)
+    read by the training thread (the loader's start, which may draw random numbers and broadcast a seed, then at
+    least one batch read to see whether reading draws from a global random generator), the rest by a reader a step
+    ahead."""
 
-    def __init__(self, batches: Iterator, count: int, depth: int, device: torch.device):
-        self.batches, self.count, self.depth, self.device = batches, count, depth, device
+    def __init__(self, batches: Iterator, count: int, step: int, device: torch.device):
+        self.batches, self.count, self.step, self.device = batches, count, step, device
+        self.in_training_thread = step * -(-2 // step)  # whole steps, at least two micro-batches
         self.taken, self.states_before, self.reader = 0, None, None
 
     def __iter__(self) -> "EpochBatches":
         return self
 
     def __next__(self) -> Any:
-        if self.taken == 2 and self.count > 2:
+        if self.taken == self.in_training_thread and self.count > self.taken:
             if same_random_states(self.states_before, global_random_states()):
-                self.reader = ReadAhead(self.batches, self.count - 2, self.depth, self.device)
+                self.reader = ReadAhead(self.batches, self.count - self.taken, self.step, self.device)
                 _tell_once(reading=True)
             else:
                 _tell_once(reading=False)
