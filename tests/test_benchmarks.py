@@ -66,14 +66,19 @@ def test_the_parity_benchmarks_hand_written_loop_trains_the_templates_weights_bi
 def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data):
     """`gpu` is measured only on a day a GPU is lent: its dry run (CPU, a small model, no nanoGPT checkout, which
     CI has not) keeps the template's side runnable until then: the runs, their timing, the data wait and the
-    first-step time, reading the tokens as one file or as the FineWeb recipe's prepared shards."""
+    first-step time, reading the tokens as one file or as the FineWeb recipe's prepared shards (then also with
+    data.read_ahead=true)."""
+    reading_ahead = ["--read-ahead"] if template_data == "shards" else []
     report = benchmark_report(["gpu", "--device", "cpu", "--mixed-precision", "no", "--model-shape", "1,2,32,64",
-                               "--shapes", "2x1", "--modes", "eager", "--steps", "30",
-                               "--template-data", template_data])
-    entry = report["2x1 eager"]
-    assert list(entry) == ["template"] and entry["template"]["ms_per_step"] > 0, report
-    assert entry["template"]["tokens_per_s"] > 0 and report["template_first_step_s"]["eager"] > 0, report
-    assert 0 <= entry["template"]["data_wait_share"] < 1 and report["template_data"] == template_data, report
+                               "--shapes", "2x2", "--modes", "eager", "--steps", "30",
+                               "--template-data", template_data, *reading_ahead])
+    entry = report["2x2 eager"]
+    sides = ["template", *(["template, data.num_workers=0, data.read_ahead=true"] if reading_ahead else [])]
+    assert list(entry) == sides, report
+    assert report["template_first_step_s"]["eager"] > 0 and report["template_data"] == template_data, report
+    for side in sides:
+        assert entry[side]["ms_per_step"] > 0 and entry[side]["tokens_per_s"] > 0, report
+        assert 0 <= entry[side]["data_wait_share"] < 1, report
 
 
 @pytest.mark.slow
@@ -91,7 +96,8 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
       "--steps", "2", "--parts", "tokenizer,prepare,tiny,startup,wait,loaders"],
      lambda r: r["prepare, 2 worker(s)"]["tokens_per_s"] * r["data=shards, 3,000,000 tokens"]["first_step_s"]
      * r["loader, data=stream (one Parquet file, data.reshard=true), block 256, 2 workers"]["tokens_per_s"]
-     * r["host time per batch, data=shards, 12 x 1024, 2 workers"]["median_ms"]
+     * r["host time per step, data=shards, 5 x 12 x 1024, 2 workers"]["median_ms"]
+     * r["host time per step, data=shards, 5 x 12 x 1024, data.read_ahead=true"]["median_ms"]
      * r["prepare tiny Shakespeare, 2 worker(s)"]["tokens_per_s"] * r["tiny Shakespeare, data=shards"]["first_step_s"]),
     (["preference", "--repeats", "1", "--steps", "6", "--layers", "1", "--width", "64", "--log-every", "2"],
      lambda r: r["lora: ours over trl, step time"] * r["full: ours over trl, step time"]

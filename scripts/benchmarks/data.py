@@ -134,23 +134,38 @@ def loader_tokens_per_s(data, batches: int) -> dict:
             "batch_shape": list((first["input_ids"] if isinstance(first, dict) else first[0]).shape)}
 
 
-def host_ms_per_batch(data, batches: int, pause_s: float) -> dict:
-    """The training process's own time in the loader per batch when each batch is followed by `pause_s` of waiting
-    (a GPU-bound step: the host launches its kernels and waits), what train/data_wait counts: the loader's work in
-    this process, or with workers, receiving what they prepared in the pause."""
+def host_ms_per_step(data, steps: int, micro_batches: int, pause_s: float, read_ahead: bool = False) -> dict:
+    """The training process's own time in the loader per optimizer step of `micro_batches` when each step is
+    `pause_s` of waiting (a GPU-bound step: the host launches its kernels and waits), what train/data_wait counts:
+    the loader's work in this process, or with workers, receiving what they prepared in the pause, or with
+    `read_ahead`, taking what train.py's reading thread prepared (src/loop/read_ahead.py). As in train.py, a step's
+    micro-batches are freed after the next step's are taken, outside the time counted."""
+    import itertools
+
+    import torch
+
+    from src.loop.read_ahead import EpochBatches
+
     loader = training_loader(data)
-    batches = min(batches, len(loader) - 1)  # within one epoch (a small corpus has fewer)
-    loader = iter(loader)
-    next(loader)
+    steps = min(steps, len(loader) // micro_batches - 1)  # within one epoch (a small corpus has fewer)
+    batches = iter(loader)
+    if read_ahead:
+        batches = EpochBatches(batches, (steps + 1) * micro_batches, micro_batches, torch.device("cpu"))
+    window = list(itertools.islice(batches, micro_batches))
     spent = []
-    for _ in range(batches):
+    for _ in range(steps):
         time.sleep(pause_s)
         started = time.perf_counter()
-        next(loader)
+        taken = list(itertools.islice(batches, micro_batches))
         spent.append(time.perf_counter() - started)
+        window = taken
+    del window
+    if read_ahead:
+        batches.close()
     spent.sort()
-    return {"batches": batches, "pause_ms": pause_s * 1e3, "median_ms": round(spent[len(spent) // 2] * 1e3, 3),
-            "mean_ms": round(sum(spent) / len(spent) * 1e3, 3), "worst_ms": round(spent[-1] * 1e3, 3)}
+    return {"steps": steps, "micro_batches": micro_batches, "pause_ms": pause_s * 1e3,
+            "median_ms": round(spent[len(spent) // 2] * 1e3, 4), "mean_ms": round(sum(spent) / len(spent) * 1e3, 4),
+            "worst_ms": round(spent[-1] * 1e3, 3), "median_share_of_step": round(spent[len(spent) // 2] / pause_s, 5)}
 
 
 def as_parquet(corpus: Path, path: Path) -> Path:
@@ -267,13 +282,13 @@ def data(args) -> dict:
                                             tokenizer=str(tokenizer), num_workers=workers, **extra)
                         report[f"loader, data=stream ({name}), block {block}, {workers} workers"] = (
                             loader_tokens_per_s(stream, 200))
-            # The GPU benchmark's micro-batch (12 x 1,024) between pauses of its step's fifth (139 ms at 12 x 5 on
-            # one H100): the host's share of a step that the data takes, in the process and with workers.
-            for workers in (0, 1, 2):
-                shards = ShardData(path=str(prepared), block_size=1024, batch_size=12, random_windows=True,
-                                   num_workers=workers)
-                report[f"host time per batch, data=shards, 12 x 1024, {workers} workers"] = host_ms_per_batch(
-                    shards, 200, 0.028)
+            # The GPU benchmark's step (5 micro-batches of 12 x 1,024, 139 ms on one H100): the host's share of it
+            # that the data takes, in the process, with workers, and read ahead by a thread.
+            for name, loader in (("0 workers", {}), ("1 workers", {"num_workers": 1}),
+                                 ("2 workers", {"num_workers": 2}), ("data.read_ahead=true", {"read_ahead": True})):
+                shards = ShardData(path=str(prepared), block_size=1024, batch_size=12, random_windows=True, **loader)
+                report[f"host time per step, data=shards, 5 x 12 x 1024, {name}"] = host_ms_per_step(
+                    shards, 60, 5, 0.139, read_ahead=loader.get("read_ahead", False))
     return report
 
 

@@ -94,9 +94,8 @@ def compile_overrides(args, compiled: bool) -> list[str]:
 
 
 def gpu_template(args, batch: int, accumulation: int, compiled: bool, run_dir: Path, bin_file: Path,
-                 workers: int = 0) -> dict:
-    cmd = [sys.executable, "train.py", *template_model_and_data(args, bin_file), f"data.batch_size={batch}",
-           f"data.num_workers={workers}",
+                 loader: list[str]) -> dict:
+    cmd = [sys.executable, "train.py", *template_model_and_data(args, bin_file), f"data.batch_size={batch}", *loader,
            f"trainer.gradient_accumulation_steps={accumulation}", *compile_overrides(args, compiled),
            f"trainer.max_steps={args.steps}", "trainer.log_every=10", "trainer.eval_every=0", "trainer.eval_batches=2",
            "trainer.checkpoint_every=0", "trainer.monitor=null", "scheduler.warmup_steps=10",
@@ -113,8 +112,13 @@ def gpu_template(args, batch: int, accumulation: int, compiled: bool, run_dir: P
             "data_wait_share": median(waits) if waits else None}
 
 
-def template_side(args, workers: int) -> str:
-    return "template" if workers == args.data_workers[0] else f"template, data.num_workers={workers}"
+def template_sides(args) -> dict[str, list[str]]:
+    """The template once per --data-workers value, and with --read-ahead once reading ahead in a thread: each
+    side's loader settings. "template" is the first, the others are named by their settings."""
+    loaders = [[f"data.num_workers={workers}"] for workers in args.data_workers]
+    if args.read_ahead:
+        loaders.append(["data.num_workers=0", "data.read_ahead=true"])
+    return {"template" if i == 0 else f"template, {', '.join(loader)}": loader for i, loader in enumerate(loaders)}
 
 
 def gpu_nanogpt(args, batch: int, accumulation: int, compiled: bool, work: Path) -> dict:
@@ -178,13 +182,12 @@ def gpu(args) -> dict:
             tokens_per_step = batch * accumulation * int(args.model_shape.split(",")[3])
             for compiled in [mode == "compiled" for mode in args.modes]:
                 name = f"{shape} {'compiled' if compiled else 'eager'}"
-                # The template once per --data-workers value: "template" is the first, the rest are named by theirs.
-                templates = {template_side(args, w): w for w in args.data_workers}
+                templates = template_sides(args)
                 runs = {**{side: [] for side in templates}, **({"nanogpt": []} if work else {})}
                 for repeat in range(args.repeats):
-                    sides = [lambda side=side, w=w: runs[side].append(gpu_template(
-                        args, batch, accumulation, compiled, tmp / f"{shape}-{compiled}-{w}-{repeat}", bin_file, w))
-                        for side, w in templates.items()]
+                    sides = [lambda side=side, i=i, loader=loader: runs[side].append(gpu_template(
+                        args, batch, accumulation, compiled, tmp / f"{shape}-{compiled}-{i}-{repeat}", bin_file,
+                        loader)) for i, (side, loader) in enumerate(templates.items())]
                     if work:
                         sides.append(lambda: runs["nanogpt"].append(gpu_nanogpt(args, batch, accumulation, compiled,
                                                                                 work)))
@@ -229,6 +232,9 @@ def add_commands(commands) -> dict:
                         "prepared shards (data=shards, experiment=fineweb_gpt2)")
     g.add_argument("--data-workers", nargs="+", type=int, default=[0],
                    help="the template's data.num_workers: one run per value and shape (nanoGPT reads in its loop)")
+    g.add_argument("--read-ahead", action="store_true",
+                   help="one more template run per shape with data.read_ahead=true (a thread reads the next step's "
+                        "micro-batches)")
     g.add_argument("--compile-mode", default="default", choices=typing.get_args(CompileMode),
                    help="the template's trainer.compile_mode in the compiled runs (nanoGPT's stays torch's default)")
     return {"gpu": gpu}
