@@ -1,7 +1,8 @@
 """A corpus streamed as it trains (data=stream): read in a fixed order, its held-out rows never trained on however it
-is split, resumed exactly from the position its loader saved (nothing read again), or, where the processes share
-one stream, by reading it again to the run's position; refused on a layout that would read it in another order."""
+is split, resumed exactly from the position its loader saved (nothing read again; where the processes share one
+stream, on any number of them); refused on a layout that would read it in another order."""
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -105,6 +106,38 @@ def test_the_held_out_rows_never_train_however_the_stream_is_split_among_process
     assert "<0-020>" in text and "<1-000>" in text and "<1-019>" in text  # every other row of both files does
 
 
+def test_processes_sharing_one_stream_take_their_shares_of_each_global_micro_batch_and_one_position_serves_any_count(
+        monkeypatch):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    import src.data.stream as stream
+
+    monkeypatch.setattr(stream, "ROWS_PER_MAP", 10)  # positions inside many map batches
+    data = stream.StreamData(path=str(SPEECHES), block_size=16, val_documents=100)
+    windows = [w["input_ids"].tolist() for w, _ in zip(data.train, range(200))]  # the stream, in order
+
+    def loader(rank: int, processes: int, batch: int) -> StatefulDataLoader:  # each process its own stream object
+        dealt = stream.DealtWindows(copy.deepcopy(data.train), batch, rank, processes)
+        return StatefulDataLoader(dealt, batch_size=batch)
+
+    def ids(batch) -> list:
+        return batch["input_ids"].tolist()
+
+    two = [loader(rank, 2, 4) for rank in range(2)]
+    taken = [iter(two[0]), iter(two[1])]
+    for g in range(10):  # global micro-batch g: windows 8g..8g+7, rank r the r-th 4 of them
+        assert [ids(next(taken[r])) for r in range(2)] == [windows[8 * g: 8 * g + 4], windows[8 * g + 4: 8 * g + 8]]
+    position = two[0].state_dict()
+    assert position["dataset_state"] == two[1].state_dict()["dataset_state"]  # the same on every process
+    # Where the 2 processes stood, 1 process of 8 windows and 4 of 2 continue with the same global micro-batches.
+    one = loader(0, 1, 8)
+    one.load_state_dict(position)
+    assert [ids(b) for b, _ in zip(one, range(3))] == [windows[80 + 8 * g: 88 + 8 * g] for g in range(3)]
+    four = loader(3, 4, 2)
+    four.load_state_dict(position)
+    assert [ids(b) for b, _ in zip(four, range(3))] == [windows[86 + 8 * g: 88 + 8 * g] for g in range(3)]
+
+
 @pytest.mark.parametrize("workers, row_groups", [(0, False), (2, False), (2, True)],
                          ids=["in the process", "two workers, one file", "two workers, each its row groups"])
 def test_a_loader_restored_from_its_saved_position_continues_the_stream_without_tokenizing_what_it_read(
@@ -180,6 +213,23 @@ def test_a_streamed_run_killed_mid_run_resumes_bitwise_and_two_processes_train_w
     # One file, so one stream for every process: each takes its share of each global batch in the stream's order.
     run(stream_args(SPEECHES, two), nproc=2)
     assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
+
+
+@pytest.mark.slow  # 30 s, four launches; CI runs it
+def test_processes_sharing_one_stream_resume_from_its_one_saved_position_bitwise_and_on_another_count(tmp_path):
+    whole, killed, one = tmp_path / "whole", tmp_path / "killed", tmp_path / "one"
+    run(stream_args(SPEECHES, whole), nproc=2)
+    kill_when(stream_args(SPEECHES, killed), 2, ready=lambda: (killed / "checkpoints" / "step_00000010").is_dir())
+    saved = killed / "checkpoints" / "step_00000010"
+    assert (saved / "data_position_0.json").is_file() and not (saved / "data_position_1.json").exists()
+    resumed = run([*stream_args(SPEECHES, killed), "resume=auto"], nproc=2)
+    assert "resuming the stream where its loader stood (pass 0): no window is read again" in resumed.stdout
+    assert scalars(killed, "train/loss") == scalars(whole, "train/loss")
+    assert max_abs_diff(exported_weights(killed), exported_weights(whole)) == 0
+    # The same position on one process accumulating the same global batch: the same windows, to float rounding.
+    moved = run([*stream_args(SPEECHES, one, "trainer.gradient_accumulation_steps=2"), f"resume={saved}"])
+    assert "no window is read again" in moved.stdout
+    assert max_abs_diff(exported_weights(one), exported_weights(whole)) <= 1e-5
 
 
 @pytest.mark.slow  # 25 s each, three two-process launches; CI runs it

@@ -185,6 +185,11 @@ class DataModule:
         return None
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        if train and self.read_ahead and not isinstance(dataset, Sized):
+            raise UsageError(f"data.read_ahead=true reads ahead within an epoch of a dataset with a length; this "
+                             f"one ({type(dataset).__name__}) has none. A stream keeps its position in its loader, "
+                             "which a reader ahead would move past the batches trained on: set data.read_ahead=false "
+                             "and read it with data.num_workers")
         sampler = self.train_sampler(dataset) if train and isinstance(dataset, Sized) else None
         return DataLoader(
             dataset,
@@ -208,11 +213,6 @@ class DataModule:
         )
 
     def train_dataloader(self) -> DataLoader:
-        if self.read_ahead and not isinstance(self.train, Sized):
-            raise UsageError(f"data.read_ahead=true reads ahead within an epoch of a dataset with a length; this "
-                             f"one ({type(self.train).__name__}) has none. A stream keeps its position in its loader, "
-                             "which a reader ahead would move past the batches trained on: set data.read_ahead=false "
-                             "and read it with data.num_workers")
         if isinstance(self.train, Sized) and len(self.train) < self.batch_size:
             raise UsageError(
                 f"data.batch_size={self.batch_size} is larger than the training set ({len(self.train)} samples)"

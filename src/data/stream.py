@@ -4,20 +4,24 @@ into windows across documents in the loader (its workers, with data.num_workers)
 
 Exact resume without reading the stream again: the loader keeps the stream's position (which file, which row, how
 far into the batch of rows being cut), each checkpoint saves it per process, and a resume continues there
-(src/loop/stream_position.py). With as many files as processes or more, each process reads its own files; with
-fewer, every process reads the whole stream and takes its share of each global batch, and a resume then reads it
-again up to its position (exact on any number of processes, slow at billions of tokens: give a large corpus at
-least as many files as processes, split Parquet files by row group with data.reshard=true, or prepare it into
-shards, scripts/prepare_data.py). The order of the windows depends on that layout and on the loader's workers: both
-are in the data's fingerprint, so a resume that would read another order is refused naming it.
+(src/loop/stream_position.py). With as many files as processes or more, each process reads its own files (a
+resume on the same number of processes); with fewer, every process reads and tokenizes the whole stream and takes
+its share of each global micro-batch (DealtWindows: a resume on any number of processes; tokenizing on every
+process is the cost: give a large corpus at least as many files as processes, split Parquet files by row group with
+data.reshard=true, or prepare it into shards, scripts/prepare_data.py). The order of the windows depends on that
+layout and on the loader's workers: both are in the data's fingerprint, so a resume that would read another order
+is refused naming it.
 """
 
+import copy
+import itertools
 import logging
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import numpy as np
+from torch.utils.data import IterableDataset
 
 from src.data.base import DataModule, model_size
 from src.data.hf_dataset import BUILDERS
@@ -49,6 +53,51 @@ def streamed_rows(path: str, subset: Optional[str], split: str) -> Any:
         return load_dataset(str(source) if source.exists() else path, subset, split=split, streaming=True)
     except ValueError as error:
         raise UsageError(f"data.path={path} (data.subset={subset}, data.split={split}): {error}") from None
+
+
+class DealtWindows(IterableDataset):
+    """One stream's windows dealt among processes that all read it (fewer files than processes): each global
+    micro-batch of `processes` x `batch_size` windows read whole, this process taking its `batch_size` of it (rank
+    r the r-th), as accelerate's IterableDatasetShard deals an iterable, but with a position: the stream's after
+    the last whole global micro-batch (the same on every process, whatever their number) and how far into the
+    current one this process is. A resume, on any number of processes, continues there, reading again at most one
+    global micro-batch. A pass ends at the last whole global micro-batch, on every process alike."""
+
+    position_is_shared = True  # src/loop/stream_position.py: any rank's saved position is every rank's
+
+    def __init__(self, windows: Any, batch_size: int, rank: int, processes: int):
+        self.windows, self.batch_size, self.rank, self.processes = windows, batch_size, rank, processes
+        self.position: dict = {"windows": None, "into": 0}  # None: the stream's start
+        self.skip = 0  # windows of this process's share of the first global micro-batch already trained on
+
+    def __iter__(self):
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        source, before, skip = iter(self.windows), self.position["windows"], self.skip
+        while True:
+            chunk = list(itertools.islice(source, self.processes * self.batch_size))
+            if len(chunk) < self.processes * self.batch_size:
+                self.position, self.skip = {"windows": None, "into": 0}, 0  # the next pass starts at the start
+                return
+            after = self.windows.state_dict()  # the stream's, past this global micro-batch
+            for taken, window in enumerate(chunk[mine], start=1):
+                if taken > skip:
+                    whole = taken == self.batch_size
+                    self.position = {"windows": after if whole else before, "into": 0 if whole else taken}
+                    yield window
+            before, skip = after, 0
+
+    def state_dict(self) -> dict:
+        return copy.deepcopy(self.position)
+
+    def load_state_dict(self, state: dict) -> None:
+        if "windows" not in state:  # a checkpoint of one process written before the deal: the stream's own
+            state = {"windows": state, "into": 0}
+        if state["windows"] is not None:
+            self.windows.load_state_dict(state["windows"])
+        self.position, self.skip = copy.deepcopy(state), state["into"]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.windows.set_epoch(epoch)
 
 
 class StreamData(DataModule):
@@ -133,6 +182,25 @@ class StreamData(DataModule):
         chunks = [windows.tokens[windows.start(i) : windows.start(i) + self.block_size + 1]
                   for i in range(len(windows))]
         return {"input_ids": [chunk[:-1] for chunk in chunks], "labels": [chunk[1:] for chunk in chunks]}
+
+    def train_dataloader(self):
+        """A loader each process reads its own files through (accelerate shards the stream: parts_per_process), or
+        the stream dealt among the processes with a position (DealtWindows; on one process, all of it to the one),
+        prepared here for this process alone, so that accelerate does not deal it again (its IterableDatasetShard
+        keeps no position)."""
+        from accelerate import PartialState
+        from accelerate.data_loader import prepare_data_loader
+
+        state = PartialState()
+        if self.parts_per_process():
+            return super().train_dataloader()
+        dealt = DealtWindows(self.train, self.batch_size, state.process_index, state.num_processes)
+        # As src/launch/accelerator.py's loader_configuration prepares every other loader, for one process.
+        loader = prepare_data_loader(self._loader(dealt, train=True), state.device, num_processes=1, process_index=0,
+                                     put_on_device=True, dispatch_batches=False,
+                                     non_blocking=state.device.type == "cuda", use_stateful_dataloader=True)
+        loader._is_accelerate_prepared = True  # accelerator.prepare keeps it as it is (its guard against twice)
+        return loader
 
     def parts_per_process(self) -> bool:
         """Whether each process reads its own files (accelerate shards a datasets stream so when it has enough)."""

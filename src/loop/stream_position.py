@@ -12,9 +12,11 @@ Two layouts read a stream on several processes (accelerate decides, src/data/str
   part ends starts it again on its own (its next pass; torchtitan's loaders do the same), so none waits for another,
   and `TrainState.epoch` counts this process's passes. Only the saved positions can find these parts again: a
   resume needs every rank's file, on the same number of processes (the data's fingerprint refuses another).
-- fewer files than processes: every process reads the whole stream and takes its share of each global batch. That
-  iterable holds no position (accelerate's IterableDatasetShard), so a resume reads the stream again up to the
-  consumed windows (src/loop/accumulation.py), exact on any number of processes.
+- fewer files than processes: every process reads the whole stream and takes its share of each global micro-batch
+  (src/data/stream.py's DealtWindows). Its position, the stream's after the last whole global micro-batch, is the
+  same on every process and for any number of them: rank 0 writes it, every rank of a resume reads it, on any
+  number of processes, exactly. (A checkpoint written before that layout kept one has none: the resume then reads
+  the stream again up to the consumed windows, src/loop/accumulation.py, exact too.)
 """
 
 import json
@@ -42,13 +44,16 @@ class StreamPosition:
         dataset = getattr(loader, "dataset", None)
         self.kept = bool(getattr(loader, "use_stateful_dataloader", False)) and callable(
             getattr(dataset, "load_state_dict", None))
+        # One stream dealt among the processes (src/data/stream.py's DealtWindows): one position, every rank's.
+        self.shared = self.kept and getattr(dataset, "position_is_shared", False)
         # Each process its own files (accelerate's datasets `.shard()`), rather than one stream for all.
-        self.per_process_parts = self.kept and accelerator.num_processes > 1
+        self.per_process_parts = self.kept and accelerator.num_processes > 1 and not self.shared
         self.restored = False  # the loader continues from a checkpoint's position: nothing to skip
 
     def save(self, directory: Path, state: TrainState) -> None:
-        """This rank's position, into the checkpoint being written (every rank calls it)."""
-        if self.kept:
+        """This rank's position, into the checkpoint being written (every rank calls it; of a shared one, rank 0's
+        is written)."""
+        if self.kept and not (self.shared and self.accelerator.process_index > 0):
             (directory / position_file(self.accelerator.process_index)).write_text(
                 json.dumps({"pass": state.epoch, "loader": self.loader.state_dict()}))
 
@@ -57,7 +62,7 @@ class StreamPosition:
         pass. Without a position, the loop reads the stream again up to the consumed windows."""
         if not self.kept or data_changed:
             return
-        file = checkpoint / position_file(self.accelerator.process_index)
+        file = checkpoint / position_file(0 if self.shared else self.accelerator.process_index)
         saved = json.loads(verified(checkpoint, file).read_text()) if file.is_file() else None
         if saved is None:
             if self.per_process_parts:
