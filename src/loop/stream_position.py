@@ -4,10 +4,11 @@ reading the stream again up to it (at billions of tokens, hours of tokenizing on
 The position is the loader's own state: accelerate's `use_stateful_dataloader` makes it torchdata's
 StatefulDataLoader, which asks the dataset (datasets' IterableDataset: which file, which row, how far into the
 batch of rows being mapped) for its state after each batch, in each of its workers, and accelerate keeps the one of
-the last batch handed to the loop (not of the batch it read ahead). Each rank writes its own,
-`data_position_<rank>.json` (JSON: a checkpoint holds no pickle), as it writes its random state.
+the last batch handed to the loop (not of the batch it read ahead). It is written as
+`data_position_<rank>.json` (JSON: a checkpoint holds no pickle), as the random state is.
 
-Two layouts read a stream on several processes (accelerate decides, src/data/stream.py's `order` names it):
+Two layouts read a stream on several processes (src/data/stream.py's `train_dataloader` picks one by the number of
+files, its `order` names it):
 - as many files as processes or more: each process reads its own files, a part of its own length. A process whose
   part ends starts it again on its own (its next pass; torchtitan's loaders do the same), so none waits for another,
   and `TrainState.epoch` counts this process's passes. Only the saved positions can find these parts again: a
