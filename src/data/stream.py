@@ -191,14 +191,17 @@ class StreamData(DataModule):
         from accelerate import PartialState
         from accelerate.data_loader import prepare_data_loader
 
+        from src.launch.accelerator import loader_configuration
+
         state = PartialState()
         if self.parts_per_process():
             return super().train_dataloader()
         dealt = DealtWindows(self.train, self.batch_size, state.process_index, state.num_processes)
-        # As src/launch/accelerator.py's loader_configuration prepares every other loader, for one process.
+        config = loader_configuration(stateful_loaders=True)  # as every other loader of the run, for one process
         loader = prepare_data_loader(self._loader(dealt, train=True), state.device, num_processes=1, process_index=0,
-                                     put_on_device=True, dispatch_batches=False,
-                                     non_blocking=state.device.type == "cuda", use_stateful_dataloader=True)
+                                     put_on_device=True, dispatch_batches=config.dispatch_batches,
+                                     non_blocking=config.non_blocking,
+                                     use_stateful_dataloader=config.use_stateful_dataloader)
         loader._is_accelerate_prepared = True  # accelerator.prepare keeps it as it is (its guard against twice)
         return loader
 
