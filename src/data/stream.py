@@ -67,16 +67,17 @@ class DealtWindows(IterableDataset):
 
     def __init__(self, windows: Any, batch_size: int, rank: int, processes: int):
         self.windows, self.batch_size, self.rank, self.processes = windows, batch_size, rank, processes
-        self.position: dict = {"windows": None, "into": 0}  # None: the stream's start
-        self.skip = 0  # windows of this process's share of the first global micro-batch already trained on
+        self.position: dict = {"windows": None, "into": 0}  # after the last window handed out (None: the start)
+        # Where an iteration begins: the stream's start or a loaded position, as the stream's own loaded state.
+        self.start: dict = self.position
 
     def __iter__(self):
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
-        source, before, skip = iter(self.windows), self.position["windows"], self.skip
+        source, before, skip = iter(self.windows), self.start["windows"], self.start["into"]
         while True:
             chunk = list(itertools.islice(source, self.processes * self.batch_size))
             if len(chunk) < self.processes * self.batch_size:
-                self.position, self.skip = {"windows": None, "into": 0}, 0  # the next pass starts at the start
+                self.position = self.start = {"windows": None, "into": 0}  # the next pass starts at the start
                 return
             after = self.windows.state_dict()  # the stream's, past this global micro-batch
             for taken, window in enumerate(chunk[mine], start=1):
@@ -94,7 +95,7 @@ class DealtWindows(IterableDataset):
             state = {"windows": state, "into": 0}
         if state["windows"] is not None:
             self.windows.load_state_dict(state["windows"])
-        self.position, self.skip = copy.deepcopy(state), state["into"]
+        self.position, self.start = copy.deepcopy(state), copy.deepcopy(state)
 
     def set_epoch(self, epoch: int) -> None:
         self.windows.set_epoch(epoch)

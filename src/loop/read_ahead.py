@@ -30,6 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
+
 class ReadAhead:
     """`count` items of `items`, taken by a background thread `chunk` at a time (an optimizer step's micro-batches,
     handed over at once: the training thread then waits for the reader once a step, not once a micro-batch), one
