@@ -234,6 +234,14 @@ def test_resume_takes_safe_overrides_refuses_others_and_ignores_defaults_edited_
         config_for_resume(now, checkpoint, ["experiment=bigger"])
 
 
+def test_how_the_loader_reads_may_change_on_resume_as_it_changes_no_batch(tmp_path):
+    saved, checkpoint = saved_run(tmp_path)
+    reading = {"num_workers": 2, "prefetch_factor": 4, "read_ahead": True}
+    typed = [f"data.{key}={value}" for key, value in reading.items()]
+    resumed = config_for_resume(OmegaConf.merge(saved, {"data": reading}), checkpoint, typed)
+    assert {key: resumed.data[key] for key in reading} == reading
+
+
 def test_resume_reads_the_command_line_as_typed_even_where_a_value_names_a_data_size(tmp_path):
     """Hydra hands the overrides over as a ListConfig; ${dataset:vocab_size} is unknown until the data is built."""
     saved, checkpoint = saved_run(tmp_path)

@@ -24,8 +24,10 @@ log = logging.getLogger(__name__)
 SAFE_ON_RESUME = {
     "resume", "trainer.max_steps", "trainer.max_epochs", "trainer.log_every", "trainer.eval_every",
     "trainer.checkpoint_every", "trainer.async_checkpoint",
-    "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads", "data.num_workers",
-    "data.read_ahead",  # the same batches in the same order, read by another thread
+    "trainer.keep_last_checkpoints", "trainer.dist_timeout_s", "trainer.cpu_threads",
+    # The same batches in the same order, read by other processes or threads, or further ahead (a stream, whose
+    # order its workers set, refuses another number of them through its fingerprint).
+    "data.num_workers", "data.prefetch_factor", "data.read_ahead",
     "trainer.eval_on_start",
     "trainer.trackers", "trainer.tracker_project", "trainer.resume_with_changed_data",
     # Sampling reads the weights with its own random state: it changes nothing trained (tests/test_sampling.py).
