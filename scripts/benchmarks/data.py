@@ -12,6 +12,9 @@ tokenizing it at the start of a run.
   beside it data=hf_dataset on the synthetic corpus, the same measure (tokenizing inside the run).
 - The loader against the model: the summary's data wait per step (time the loop waited for a batch) of a run at
   the default GPT's shape and block, on the large shards.
+- The host's time per GPU-sized step in the loader (in the process, with workers, read ahead by a thread), and
+  whether the reading thread slows the training thread's own host work (a GPU's kernel launches; a tiny model's
+  eager step stands in for them).
 Each figure is one run, side by side in one invocation; the machine is named in scripts/BENCHMARKS.md.
 """
 
@@ -168,6 +171,67 @@ def host_ms_per_step(data, steps: int, micro_batches: int, pause_s: float, read_
             "worst_ms": round(spent[-1] * 1e3, 3), "median_share_of_step": round(spent[len(spent) // 2] / pause_s, 5)}
 
 
+def launches_beside_the_reader(prepared: Path, rounds: int, micro_batches: int = 5, period_s: float = 0.139) -> dict:
+    """Whether the reading thread of data.read_ahead slows the training thread's own host work. On a GPU that work
+    is launching kernels: Python and dispatch, holding the interpreter's lock most of the time, as a tiny model's
+    eager step on a CPU does (the template's GPT, 12 layers of width 32: its time is dispatch, not arithmetic).
+    Each optimizer step takes its micro-batches (12 x 1,024 from the shards), runs `micro_batches` forward and
+    backward passes of that model, and waits out the rest of `period_s` (the GPU's step). Three ways, a step each
+    in turn, `rounds` times: no data taken (the host work alone), read in the process, read ahead (the reader reads
+    the next step while this one's passes run: the lock shared at its worst). The host work's time off the CPU
+    (wall time less the thread's CPU time) is its wait for the lock, steadier than its wall time on a shared VM."""
+    import itertools
+    import statistics
+
+    import torch
+
+    from src.data.shards import ShardData
+    from src.loop.read_ahead import EpochBatches
+    from src.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=256, block_size=16, n_layer=12, n_head=2, n_embd=32)
+    inputs = torch.randint(0, 256, (2, 16))
+
+    def host_work() -> None:
+        for _ in range(micro_batches):
+            model(inputs).float().pow(2).mean().backward()
+
+    ways = ("no data", "data.num_workers=0", "data.read_ahead=true")
+    batches, held = {}, {}
+    for way in ways:
+        loader = iter(training_loader(ShardData(path=str(prepared), block_size=1024, batch_size=12,
+                                                random_windows=True)))
+        if way == "data.read_ahead=true":
+            loader = EpochBatches(loader, (rounds + 2) * micro_batches, micro_batches, torch.device("cpu"))
+        batches[way], held[way] = loader, list(itertools.islice(loader, micro_batches))
+    host_work()
+    spent = {way: {"data": [], "host_work": [], "off_cpu": []} for way in ways}
+    for round_ in range(rounds):
+        for way in ways if round_ % 2 == 0 else ways[::-1]:
+            started = time.perf_counter()
+            taken = list(itertools.islice(batches[way], micro_batches)) if way != "no data" else []
+            read, on_cpu = time.perf_counter(), time.thread_time()
+            host_work()
+            done, on_cpu = time.perf_counter(), time.thread_time() - on_cpu
+            held[way] = taken  # the previous step's batches freed after the next step's are taken, as in train.py
+            spent[way]["data"].append(read - started)
+            spent[way]["host_work"].append(done - read)
+            spent[way]["off_cpu"].append(done - read - on_cpu)
+            time.sleep(max(0.0, period_s - (time.perf_counter() - started)))
+    batches["data.read_ahead=true"].close()
+
+    def median_ms(values: list[float], digits: int = 2) -> float:
+        return round(statistics.median(values) * 1e3, digits)
+
+    report = {"steps_each": rounds, "micro_batches": micro_batches, "period_ms": period_s * 1e3}
+    for way, times in spent.items():
+        report[way] = {"data_ms": median_ms(times["data"], 3), "host_work_ms": median_ms(times["host_work"]),
+                       "host_work_off_cpu_ms": median_ms(times["off_cpu"], 3),
+                       "host_ms": median_ms([data + work for data, work in zip(times["data"], times["host_work"])])}
+    return report
+
+
 def as_parquet(corpus: Path, path: Path) -> Path:
     """The JSON Lines corpus as one Parquet file of row groups of 10,000 rows (at least 8 groups: what
     data.reshard splits among workers)."""
@@ -289,6 +353,7 @@ def data(args) -> dict:
                 shards = ShardData(path=str(prepared), block_size=1024, batch_size=12, random_windows=True, **loader)
                 report[f"host time per step, data=shards, 5 x 12 x 1024, {name}"] = host_ms_per_step(
                     shards, 60, 5, 0.139, read_ahead=loader.get("read_ahead", False))
+            report["host work per step beside the reader"] = launches_beside_the_reader(prepared, args.launch_rounds)
     return report
 
 
@@ -300,6 +365,8 @@ def add_commands(commands) -> dict:
     c.add_argument("--small", type=int, default=10_000_000, help="tokens of the small shards")
     c.add_argument("--large", type=int, default=1_000_000_000, help="tokens of the large shards")
     c.add_argument("--steps", type=int, default=20, help="steps of the data-wait run")
+    c.add_argument("--launch-rounds", type=int, default=90,
+                   help="rounds of 4 steps each way of the host-work measure (no data, in the process, read ahead)")
     c.add_argument("--parts", default=",".join(PARTS), help=f"which measures, among {', '.join(PARTS)}")
     c.add_argument("--scratch", default=None, help="where to write the corpus and shards (a few GB at the default)")
     return {"data": data}

@@ -114,8 +114,9 @@ def gpu_template(args, batch: int, accumulation: int, compiled: bool, run_dir: P
 
 def template_sides(args) -> dict[str, list[str]]:
     """The template once per --data-workers value, and with --read-ahead once reading ahead in a thread: each
-    side's loader settings. "template" is the first, the others are named by their settings."""
-    loaders = [[f"data.num_workers={workers}"] for workers in args.data_workers]
+    side's loader settings, all of them given, whatever the experiment's config sets. "template" is the first, the
+    others are named by their settings."""
+    loaders = [[f"data.num_workers={workers}", "data.read_ahead=false"] for workers in args.data_workers]
     if args.read_ahead:
         loaders.append(["data.num_workers=0", "data.read_ahead=true"])
     return {"template" if i == 0 else f"template, {', '.join(loader)}": loader for i, loader in enumerate(loaders)}
