@@ -104,8 +104,9 @@ SAMPLES = 40
 
 
 def step_samples(accelerator, batch_size: int, accumulation: int, state: TrainState, max_steps: int,
-                 read_ahead: bool = False, dataset=None) -> list:
-    """The samples each optimizer step takes, from where `state` is, and the position after each step."""
+                 read_ahead: bool = False, dataset=None, step=lambda: None) -> list:
+    """The samples each optimizer step takes, from where `state` is, and the position after each step; `step` runs
+    as the training step would, after each window."""
     dataset = list(range(SAMPLES)) if dataset is None else dataset
     loader = accelerator.prepare(DataLoader(dataset, batch_size=batch_size, shuffle=True))
     global_batch = batch_size * accumulation
@@ -113,6 +114,7 @@ def step_samples(accelerator, batch_size: int, accumulation: int, state: TrainSt
     out = []
     for window in accumulation_windows(accelerator, loader, state, max_steps, accumulation, epoch_steps,
                                        read_ahead=read_ahead):
+        step()
         state.step += 1
         out.append((sorted(torch.cat(window).tolist()), (state.epoch, state.samples_into_epoch)))
     return out
@@ -185,6 +187,18 @@ def test_a_dataset_drawing_from_the_global_generator_is_read_in_the_training_thr
         assert step_samples(accelerator, 2, 3, TrainState(), 12, read_ahead=True, dataset=dataset) == whole
     assert set(dataset.threads) == {threading.main_thread().name}
     named(caplog.text, "data.read_ahead=true", "global random generator", "(seed, epoch, index)")
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_the_training_steps_own_draws_do_not_keep_the_reader_from_starting(accelerator, caplog, accumulation):
+    """Dropout on a CPU draws from torch's global generator between the windows: that is the step's, not the
+    dataset's, and reading ahead stays on (it did not: the check spanned the first step)."""
+    whole = step_samples(accelerator, 2, accumulation, TrainState(), max_steps=12)
+    dataset = ReadBy()
+    with caplog.at_level(logging.WARNING):
+        assert step_samples(accelerator, 2, accumulation, TrainState(), 12, read_ahead=True, dataset=dataset,
+                            step=lambda: torch.rand(3)) == whole
+    assert "read-ahead" in dataset.threads and "global random generator" not in caplog.text
 
 
 def test_a_reader_hands_on_the_error_of_the_batch_it_failed_at_and_stops_when_closed():

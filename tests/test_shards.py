@@ -96,16 +96,16 @@ def test_a_run_on_shards_killed_mid_epoch_resumes_bitwise_and_on_two_processes_t
 def test_reading_ahead_in_a_thread_trains_the_same_weights_on_two_processes_and_a_killed_run_resumes_bitwise(
         tmp_path):
     # A corpus of about 9 steps an epoch: the 30 steps start the reader anew in each of 4 epochs, the kill at step
-    # 10 falls in the second.
+    # 10 falls in the second. Dropout draws from torch's generator in the training thread while the reader reads.
     small = tmp_path / "small.jsonl"
     small.write_text("".join((ROOT / "data" / "shakespeare_speeches.jsonl").read_text().splitlines(True)[:35]))
     prepare(small, tmp_path / "shards", "--val-fraction", "0.1")
     in_thread, ahead = tmp_path / "in_thread", tmp_path / "ahead"
-    accumulating = "trainer.gradient_accumulation_steps=2"
-    run(shard_args(tmp_path / "shards", in_thread, accumulating), nproc=2)
-    kill_when(shard_args(tmp_path / "shards", ahead, accumulating, "data.read_ahead=true"), 2,
+    accumulating = ("trainer.gradient_accumulation_steps=2", "model.dropout=0.1")
+    run(shard_args(tmp_path / "shards", in_thread, *accumulating), nproc=2)
+    kill_when(shard_args(tmp_path / "shards", ahead, *accumulating, "data.read_ahead=true"), 2,
               ready=lambda: (ahead / "checkpoints" / "step_00000010").is_dir())
-    resumed = run([*shard_args(tmp_path / "shards", ahead, accumulating, "data.read_ahead=true"), "resume=auto"],
+    resumed = run([*shard_args(tmp_path / "shards", ahead, *accumulating, "data.read_ahead=true"), "resume=auto"],
                   nproc=2)
     assert "a thread of this process reads the next optimizer step's micro-batches" in resumed.stdout
     assert scalars(ahead, "train/loss") == scalars(in_thread, "train/loss")

@@ -118,21 +118,22 @@ class EpochBatches:
     def __init__(self, batches: Iterator, count: int, step: int, device: torch.device):
         self.batches, self.count, self.step, self.device = batches, count, step, device
         self.in_training_thread = step * -(-2 // step)  # whole steps, at least two micro-batches
-        self.taken, self.states_before, self.reader = 0, None, None
+        self.taken, self.reading_draws, self.reader = 0, False, None
 
     def __iter__(self) -> "EpochBatches":
         return self
 
     def __next__(self) -> Any:
         if self.taken == self.in_training_thread and self.count > self.taken:
-            if same_random_states(self.states_before, global_random_states()):
+            if not self.reading_draws:
                 self.reader = ReadAhead(self.batches, self.count - self.taken, self.step, self.device)
-                _tell_once(reading=True)
-            else:
-                _tell_once(reading=False)
-        if self.taken == 1:
-            self.states_before = global_random_states()
-        item = next(self.reader or self.batches)
+            _tell_once(reading=not self.reading_draws)
+        if self.reader is not None or self.taken == 0 or self.taken >= self.in_training_thread:
+            item = next(self.reader or self.batches)
+        else:  # a batch after the loader's start: do reads alone (not the training steps between) draw?
+            before = global_random_states()
+            item = next(self.batches)
+            self.reading_draws |= not same_random_states(before, global_random_states())
         self.taken += 1
         return item
 
