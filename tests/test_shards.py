@@ -334,10 +334,13 @@ def test_a_killed_preparation_started_again_skips_its_finished_tasks_and_writes_
     refused(prepare(source, killed, "--tasks", "3", check=False), "preparation.json")
 
 
-def test_bad_inputs_name_the_flag_or_key(tmp_path):
-    proc = prepare(ROOT / "data" / "shakespeare_speeches.jsonl", tmp_path / "out", "--text-column", "body",
-                   check=False)
-    refused(proc, "--text-column=body", "text")
+def test_bad_inputs_name_the_flag_or_key_and_leave_nothing_that_refuses_the_corrected_command(tmp_path):
+    speeches = ROOT / "data" / "shakespeare_speeches.jsonl"
+    refused(prepare(speeches, tmp_path / "out", "--text-column", "body", check=False), "--text-column=body", "text")
+    refused(prepare(speeches, tmp_path / "out", "--tokenizer", str(tmp_path / "typo.json"), check=False),
+            "--tokenizer", "typo.json")
+    assert not (tmp_path / "out").exists()
+    prepare(speeches, tmp_path / "out", "--val-fraction", "0.1")  # corrected, into the same folder
     refused(run([*TINY_GPT, "data=shards", f"data.path={tmp_path / 'nothing'}",
                  f"hydra.run.dir={tmp_path / 'run'}"], check=False), "data.path", "prepare_data.py")
 

@@ -158,15 +158,17 @@ def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = 
     tasks = tasks or workers
     if nodes > tasks:
         raise UsageError(f"--tasks={tasks} for {nodes} nodes: give each node a task at least (--tasks={nodes})")
-    out.mkdir(parents=True, exist_ok=True)
     settings = {"source": vars(source), "val_fraction": val_fraction, "seed": seed, "tasks": tasks}
     settings_file = out / "preparation.json"
     if settings_file.is_file() and json.loads(settings_file.read_text()) != settings:
         raise UsageError(f"{out}: prepared with other settings ({settings_file}); give another output folder, or "
                          "remove this one")
-    settings_file.write_text(json.dumps(settings, indent=2))
+    # A bad path, column or tokenizer is named before anything is written: the settings file would hold the typo,
+    # and the command corrected would be refused as "other settings".
     codec = source.codec()
-    rows = source.rows()  # here first: a bad path or column is named before any worker starts
+    rows = source.rows()
+    out.mkdir(parents=True, exist_ok=True)
+    settings_file.write_text(json.dumps(settings, indent=2))
     task = TokenizeTask(source, str(out), val_fraction, seed, fast_bpe=fast_bpe)
     first, last = node * tasks // nodes, (node + 1) * tasks // nodes  # this node's tasks: [first, last)
     workers = min(workers, last - first)
