@@ -366,7 +366,7 @@ def add_commands(commands) -> dict:
     c.add_argument("--large", type=int, default=1_000_000_000, help="tokens of the large shards")
     c.add_argument("--steps", type=int, default=20, help="steps of the data-wait run")
     c.add_argument("--launch-rounds", type=int, default=90,
-                   help="rounds of 4 steps each way of the host-work measure (no data, in the process, read ahead)")
+                   help="steps each way of the host-work measure (no data, in the process, read ahead), in turns")
     c.add_argument("--parts", default=",".join(PARTS), help=f"which measures, among {', '.join(PARTS)}")
     c.add_argument("--scratch", default=None, help="where to write the corpus and shards (a few GB at the default)")
     return {"data": data}
