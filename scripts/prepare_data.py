@@ -6,8 +6,11 @@
 SOURCE is what data=hf_dataset reads (a Parquet, JSON Lines, CSV or Arrow file, a folder of them, a save_to_disk
 folder, a hub dataset id) and --tokenizer what its data.tokenizer takes; prompt/completion (--prompt-column) and
 chat data keep their label masks. Whole documents are held out for validation (--val-fraction). Started again after
-a kill, it skips the tasks it finished. Layout and format: src/data/shards.py. On several nodes, as a SLURM array
-(each array task takes its share of --tasks; the last to finish writes the manifest):
+a kill, it skips the tasks it finished. With --preference, each row is a preference pair in TRL's format (columns
+chosen, rejected and prompt, or a prompt implicit in their shared start; strings or conversations), tokenized as
+data.preference=true tokenizes it, for objective=dpo/simpo/orpo on data=shards data.preference=true. Layout and
+format: src/data/shards.py. On several nodes, as a SLURM array (each array task takes its share of --tasks; the last
+to finish writes the manifest):
 
     sbatch --array=0-3 slurm/prepare_data.sbatch data/corpus data/corpus_shards --tasks 64
 
@@ -37,6 +40,8 @@ def main() -> int:
     parser.add_argument("--tokenizer-revision")
     parser.add_argument("--text-column", default="text")
     parser.add_argument("--prompt-column")
+    parser.add_argument("--preference", action="store_true",
+                        help="rows are preference pairs (prompt, chosen, rejected), not documents")
     parser.add_argument("--split", default="train")
     parser.add_argument("--subset")
     parser.add_argument("--workers", type=int, default=1, help="processes tokenizing at once")
@@ -63,6 +68,9 @@ def main() -> int:
         parser.error("--workers and --tasks: at least 1")
     if any(size < 1 for size in args.pack_for):
         parser.error(f"--pack-for {' '.join(map(str, args.pack_for))}: block sizes of at least 1 token")
+    if args.preference and (args.text_column != "text" or args.prompt_column is not None):
+        parser.error("--preference reads the columns chosen, rejected and prompt (TRL's names); --text-column and "
+                     "--prompt-column are for documents")
     if args.cifar10:
         try:
             manifest = prepare_cifar10(Path(args.source), args.out)
@@ -74,7 +82,7 @@ def main() -> int:
               f"train on it with data=cifar10 data.root={args.out}")
         return 0
     source = Source(args.source, args.tokenizer, args.tokenizer_revision, args.text_column, args.prompt_column,
-                    args.split, args.subset)
+                    args.split, args.subset, args.preference)
     try:
         manifest = prepare(source, args.out, args.workers, args.tasks, args.val_fraction, args.seed, args.node,
                            args.nodes, args.fast_bpe, args.pack_for)
@@ -85,10 +93,15 @@ def main() -> int:
         print(f"node {args.node} of {args.nodes}: its tasks are done; the node that finishes the last task writes "
               f"{args.out}/manifest.json")
         return 0
-    for split in manifest["splits"]:
-        tokens = sum(shard["tokens"] for shard in manifest["splits"][split])
-        documents = sum(shard["documents"] for shard in manifest["splits"][split])
-        print(f"{split}: {tokens:,} tokens in {documents:,} documents, {len(manifest['splits'][split])} files")
+    for split, shards in manifest["splits"].items():
+        tokens = sum(shard["tokens"] for shard in shards)
+        if args.preference:
+            pairs, empty = (sum(shard[key] for shard in shards) for key in ("pairs", "pairs without an answer token"))
+            print(f"{split}: {pairs:,} pairs, {tokens:,} tokens, {len(shards)} files"
+                  + (f"; {empty:,} pairs without an answer token left out" if empty else ""))
+            continue
+        documents = sum(shard["documents"] for shard in shards)
+        print(f"{split}: {tokens:,} tokens in {documents:,} documents, {len(shards)} files")
     tasks = manifest["splits"]["train"]
     by_twin = sum(task.get("encoder") == "tiktoken" for task in tasks)
     if by_twin:
@@ -99,7 +112,7 @@ def main() -> int:
     for why in sorted({task["why"] for task in tasks if task.get("encoder") == "tokenizers"}):
         print(f"tokenized by tokenizers: {why}")
     print(f"wrote {args.out} ({manifest['dtype']} ids, vocabulary {manifest['vocab_size']:,}); train on it with "
-          f"data=shards data.path={args.out}")
+          f"data=shards data.path={args.out}" + (" data.preference=true objective=dpo" if args.preference else ""))
     return 0
 
 

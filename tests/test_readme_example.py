@@ -121,3 +121,12 @@ def test_readme_preference_walkthrough_tunes_the_tiny_model_then_aligns_it_with_
     assert margins[0] < margins[20] < margins[40] < margins[60] and accuracy[60] > 0.9
     scored = json.loads((dpo / "model" / "eval_metrics.json").read_text())
     assert scored["eval/rewards/margins"] == pytest.approx(margins[60], abs=1e-5)
+    # The same DPO on the pairs prepared once into shards with the SFT model's tokenizer.
+    (_, on_shards), = blocks("preference-shards-run")
+    for command in on_shards.strip().splitlines():
+        proc = shell(command, repo)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}"
+    accuracy, margins = (scalars(repo / "outputs" / "dpo_shards", f"eval/rewards/{name}")
+                         for name in ("accuracies", "margins"))
+    assert accuracy[0] == 0 and margins[0] == 0 and margins[0] < margins[20] < margins[40] < margins[60]
+    assert accuracy[60] > 0.9

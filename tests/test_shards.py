@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -266,13 +267,8 @@ def test_a_vocabulary_above_65536_is_prepared_as_uint32_and_trains(tmp_path):
     assert (tmp_path / "run" / "model").is_dir()
 
 
-def test_prompt_and_chat_label_masks_survive_preparation_as_every_data_option_makes_them(tmp_path, pretrained):
-    """The tokens and targets of a prompted and of a chat corpus, prepared, are those of tokenized_documents (the
-    rule data=hf_dataset and data=jsonl train on)."""
-    from src.data.jsonl import IGNORE_INDEX, tokenized_documents
-    from src.data.prepare import held_out
-    from src.data.tokenizer import codec_for
-
+def with_chat_template(pretrained: Path, tmp_path: Path) -> Path:
+    """A copy of the pretrained folder whose tokenizer has a chat template."""
     chat_folder = tmp_path / "chat_model"
     chat_folder.mkdir()
     for file in pretrained.iterdir():
@@ -281,6 +277,17 @@ def test_prompt_and_chat_label_masks_survive_preparation_as_every_data_option_ma
     template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     (chat_folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return chat_folder
+
+
+def test_prompt_and_chat_label_masks_survive_preparation_as_every_data_option_makes_them(tmp_path, pretrained):
+    """The tokens and targets of a prompted and of a chat corpus, prepared, are those of tokenized_documents (the
+    rule data=hf_dataset and data=jsonl train on)."""
+    from src.data.jsonl import IGNORE_INDEX, tokenized_documents
+    from src.data.prepare import held_out
+    from src.data.tokenizer import codec_for
+
+    chat_folder = with_chat_template(pretrained, tmp_path)
     prompted = [{"prompt": f"Who speaks in scene {i}?", "text": f" ROMEO, {i} times."} for i in range(60)]
     chats = [{"messages": [{"role": "user", "content": f"Scene {i}?"}, {"role": "assistant", "content": f"ROMEO {i}"},
                            {"role": "user", "content": "Then?"}, {"role": "assistant", "content": "JULIET"}]}
@@ -309,6 +316,99 @@ def test_prompt_and_chat_label_masks_survive_preparation_as_every_data_option_ma
     counts = np.fromfile(tmp_path / "prompted_shards" / "train_00000.ds.loss", dtype=np.uint8)[1:17].astype(bool)
     assert inputs.tolist() == tokens[:16].tolist()
     assert targets.tolist() == np.where(counts, tokens[1:], IGNORE_INDEX).tolist()
+
+
+def test_preference_pairs_survive_preparation_as_data_preference_tokenizes_them_numbered_once_whole_pairs_held_out(
+        tmp_path, pretrained):
+    """Strings with a prompt (bytes) and conversations with a prompt implicit in their shared start (a chat
+    template), prepared on 2 tasks: data=shards data.preference=true gives, in row order, the pairs tokenized_pairs
+    gives (TRL's rule, which data=jsonl and data=hf_dataset train on), fitted to block_size or dropped alike, each
+    pair numbered once across both splits; a pair without an answer token is left out, as there."""
+    from src.data.preference import tokenized_pairs
+    from src.data.prepare import held_out
+    from src.data.shards import ShardData
+    from src.data.tokenizer import codec_for
+
+    strings = [json.loads(line) for line in (ROOT / "data" / "shakespeare_pairs.jsonl").read_text().splitlines()]
+    strings = strings[:79] + [{"prompt": "Speak.", "chosen": "", "rejected": "No."}]  # no answer token: left out
+    turn = [{"role": "user", "content": "Who speaks?"}]
+    conversations = [{"chosen": turn + [{"role": "assistant", "content": f"ROMEO, {i} times"}],
+                      "rejected": turn + [{"role": "assistant", "content": "JULIET" * (i % 9)}]} for i in range(80)]
+    for name, rows, tokenizer, block_size in (
+            ("strings", strings, "byte", 96),
+            ("conversations", conversations, str(with_chat_template(pretrained, tmp_path)), 48)):
+        source, out = tmp_path / f"{name}.parquet", tmp_path / f"{name}_shards"
+        datasets.Dataset.from_list(rows).to_parquet(str(source))
+        proc = prepare(source, out, "--preference", "--tokenizer", tokenizer, "--tasks", "2", "--val-fraction", "0.2")
+        codec = codec_for(tokenizer)
+        for long_pairs in ("truncate", "drop"):
+            data = ShardData(path=str(out), block_size=block_size, batch_size=2, preference=True,
+                             long_pairs=long_pairs)
+            for split, validates, first in (("train", False, 0), ("val", True, len(data.train))):
+                kept = [row for i, row in enumerate(rows) if held_out(i, 0, 0.2) == validates]
+                columns = {key: [row.get(key) for row in kept] for key in ("prompt", "chosen", "rejected")}
+                expected, counts = tokenized_pairs(codec, columns, block_size, long_pairs)
+                got = getattr(data, split)
+                assert counts["truncated" if long_pairs == "truncate" else "dropped"] > 0, (name, split)
+                assert len(got) == len(expected["chosen_ids"]), (name, split, long_pairs)
+                for i in range(len(got)):
+                    sample = got[i]
+                    assert [sample[f"{key}_ids"].tolist() for key in ("prompt", "chosen", "rejected")] == [
+                        expected[f"{key}_ids"][i] for key in ("prompt", "chosen", "rejected")], (name, split, i)
+                    assert int(sample["pair_index"]) == first + i
+    assert "1 pairs without an answer token left out" in proc.stdout or name == "conversations"
+
+
+@pytest.mark.slow  # a preparation and four launches, two of them of two processes: ~50 s
+def test_dpo_on_prepared_pairs_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_after_a_kill(
+        tmp_path):
+    """Pairs read from shards through the precomputed reference (its table indexed by each pair's number): 2
+    processes of 2 pairs accumulating 2 train the weights of 1 process of 4 (<= 1e-5); a run killed after a
+    checkpoint resumes bitwise, reading the table it kept."""
+    pairs = tmp_path / "pairs"
+    prepare(ROOT / "data" / "shakespeare_pairs.jsonl", pairs, "--preference", "--tasks", "2")
+    one, two, killed = (tmp_path / name for name in ("one", "two", "killed"))
+
+    def dpo(run_dir: Path, *extra: str) -> list[str]:
+        return [*TINY_GPT, *QUIET, "model.block_size=96", "data=shards", f"data.path={pairs}", "data.preference=true",
+                "objective=dpo", "objective.reference=precomputed", "optimizer.lr=3e-3", "trainer.max_steps=6",
+                "trainer.checkpoint_every=3", "trainer.gradient_accumulation_steps=2", "trainer.monitor=null",
+                f"hydra.run.dir={run_dir}", *extra]
+
+    run(dpo(one, "data.batch_size=4"))
+    run(dpo(two, "data.batch_size=2"), nproc=2)
+    ones = scalars(one, "train/loss")
+    assert ones[1] == pytest.approx(math.log(2), abs=1e-6)  # the policy is its reference: each pair found its row
+    assert len(ones) == 6 and all(scalars(two, "train/loss")[s] == pytest.approx(ones[s], abs=1e-6) for s in ones)
+    assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
+    kill_when(dpo(killed, "data.batch_size=4"), 1, ready=lambda: (killed / "checkpoints" / "step_00000003").is_dir())
+    resumed = run([*dpo(killed, "data.batch_size=4"), "resume=auto"]).stdout
+    assert "objective.reference=precomputed: read" in resumed
+    assert scalars(killed, "train/loss") == ones
+    assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
+
+
+def test_prepared_pairs_and_documents_are_each_refused_where_the_other_is_expected(tmp_path, speeches):
+    from src.data.shards import ShardData
+    from src.errors import UsageError
+
+    pairs = tmp_path / "pairs"
+    prepare(ROOT / "data" / "shakespeare_pairs.jsonl", pairs, "--preference")
+    with pytest.raises(UsageError, match="holds preference pairs.*data.preference=true"):
+        ShardData(path=str(pairs), block_size=64, batch_size=2)
+    with pytest.raises(UsageError, match="data.packing.*preference"):
+        ShardData(path=str(pairs), block_size=64, batch_size=2, preference=True, packing=True)
+    with pytest.raises(UsageError, match="holds documents.*--preference"):
+        ShardData(path=str(speeches), block_size=64, batch_size=2, preference=True)
+    refused(prepare(ROOT / "data" / "shakespeare_speeches.jsonl", tmp_path / "no", "--preference", check=False),
+            "chosen", "rejected", "text")
+    refused(prepare(ROOT / "data" / "shakespeare_pairs.jsonl", tmp_path / "no", "--preference", "--pack-for", "64",
+                    check=False), "--pack-for")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                                 "rejected": [{"role": "user", "content": "a"}]}) + "\n")
+    refused(prepare(chats, tmp_path / "no", "--preference", check=False), "--tokenizer", "chat template")
+    assert not (tmp_path / "no").exists()
 
 
 def test_a_killed_preparation_started_again_skips_its_finished_tasks_and_writes_what_an_uninterrupted_one_does(

@@ -157,10 +157,15 @@ class Pairs(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         row = self.columns[i] if not isinstance(self.columns, dict) else {k: v[i] for k, v in self.columns.items()}
-        return {"prompt_ids": torch.as_tensor(row["prompt_ids"], dtype=torch.long),
-                "chosen_ids": torch.as_tensor(row["chosen_ids"], dtype=torch.long),
-                "rejected_ids": torch.as_tensor(row["rejected_ids"], dtype=torch.long),
-                "pair_index": torch.tensor(self.first_index + i)}
+        return pair_sample(row["prompt_ids"], row["chosen_ids"], row["rejected_ids"], self.first_index + i)
+
+
+def pair_sample(prompt, chosen, rejected, index: int) -> dict[str, torch.Tensor]:
+    """A pair's ids as a sample that collate_pairs batches; `index` numbers it."""
+    return {"prompt_ids": torch.as_tensor(prompt, dtype=torch.long),
+            "chosen_ids": torch.as_tensor(chosen, dtype=torch.long),
+            "rejected_ids": torch.as_tensor(rejected, dtype=torch.long),
+            "pair_index": torch.tensor(index)}
 
 
 def collate_pairs(samples: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:

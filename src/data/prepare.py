@@ -4,6 +4,8 @@ datatrove runs the tasks (its LocalPipelineExecutor: a pool of worker processes,
 killed preparation started again skips the tasks it finished) and writes its token files; each task tokenizes a
 contiguous slice of the source's rows by the rule every data option follows (src/data/jsonl.py:
 tokenized_documents), so prompt/completion and chat data keep their label masks as data=hf_dataset gives them.
+Preference pairs (`preference`) are tokenized by their own rule (src/data/preference.py: tokenized_pair), each
+pair three documents in a row: its prompt, its chosen answer, its rejected answer.
 """
 
 import json
@@ -17,6 +19,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from src.checkpointing.checksums import whole_file_digest
+from src.data import preference as pairs
 from src.data.fast_bpe import CheckedTwin, TwinDiffers, tiktoken_twin
 from src.data.jsonl import IGNORE_INDEX, tokenized_documents
 from src.data.shards import FORMAT, MANIFEST, SPLITS, cached_packing_plan, token_dtype
@@ -25,6 +28,9 @@ from src.data.tokenizer import codec_for
 from src.errors import UsageError
 
 log = logging.getLogger(__name__)
+# The manifest's "sample" of a folder of preference pairs; the rule is in it, so that shards of another rule are
+# refused (src/data/shards.py).
+PAIR_SAMPLE = f"preference pairs, three documents each: prompt, chosen, rejected (rule {pairs.PAIR_RULE})"
 RECORDS = "tasks"  # one JSON per finished task and split: its file's tokens, documents and digests
 
 
@@ -39,6 +45,7 @@ class Source:
     prompt_column: Optional[str] = None
     split: str = "train"
     subset: Optional[str] = None
+    preference: bool = False  # rows are preference pairs: prompt (or none), chosen, rejected
 
     def rows(self) -> Any:
         from src.data.hf_dataset import _load
@@ -46,6 +53,9 @@ class Source:
 
         rows = _load(dataset_path(self.path, self.subset, refresh=True), self.path, self.split, None,
                      self.subset)[self.split]
+        if self.preference:
+            pairs.missing_columns(rows.column_names, self.path)
+            return rows
         for key, column in (("--text-column", self.text_column), ("--prompt-column", self.prompt_column)):
             if column is not None and column not in rows.column_names:
                 raise UsageError(f"{key}={column}: {self.path} has no such column; its columns: "
@@ -79,16 +89,22 @@ class TokenizeTask:
 
     def __call__(self, data: Any, rank: int = 0, world_size: int = 1) -> None:
         rows, codec = self.source.rows(), self.source.codec()
-        masks = self.source.prompt_column is not None or _holds_conversations(rows, self.source.text_column)
+        paired = self.source.preference
+        masks = not paired and (self.source.prompt_column is not None
+                                or _holds_conversations(rows, self.source.text_column))
         share, extra = divmod(len(rows), world_size)
         start = rank * share + min(rank, extra)
         stop = start + share + (rank < extra)
         twin, why = None, "prompts and chats need tokenizers' offsets" if masks else "--no-fast-bpe"
-        if self.fast_bpe and not masks and codec.kind == "tokenizer":
+        if paired:
+            why = "preference pairs: tokenized as data.preference=true tokenizes them"
+        elif self.fast_bpe and not masks and codec.kind == "tokenizer":
             twin, why = tiktoken_twin(codec.tokenizer)
-        files = None
+        files, counts = None, {}
         encoder = {"encoder": "tokenizers", "why": why} if codec.kind == "tokenizer" else {"encoder": codec.kind}
-        if twin is not None:
+        if paired:
+            files, counts = self._tokenize_pairs(rows, codec, start, stop, rank)
+        elif twin is not None:
             checked = CheckedTwin(twin, codec, self.check_every)
             try:
                 files = self._tokenize(rows, checked, codec, masks, start, stop, rank)
@@ -108,6 +124,8 @@ class TokenizeTask:
                       "digest": whole_file_digest(path), **encoder}
             if masks:
                 record["loss digest"] = whole_file_digest(path.with_name(path.name + ".loss"))
+            if paired:
+                record.update({"pairs": len(file.doc_ends) // 3, "pairs without an answer token": counts[split]})
             (records / f"{split}_{rank:05d}.json").write_text(json.dumps(record))
 
     def _tokenize(self, rows: Any, encoder: Any, codec: Any, masks: bool, start: int, stop: int, rank: int) -> dict:
@@ -140,6 +158,30 @@ class TokenizeTask:
         return files
 
 
+    def _tokenize_pairs(self, rows: Any, codec: Any, start: int, stop: int, rank: int) -> tuple[dict, dict]:
+        """Rows [start, stop) of preference pairs into one open token file per split, three documents a pair
+        (prompt, chosen, rejected; a prompt may be empty), whole: data.block_size is the run's to apply. A pair
+        whose answers lack a token is left out (it has nothing to compare), and counted."""
+        from datatrove.pipeline.tokens.tokenizer import TokenizedFile
+
+        dtype = token_dtype(codec.vocab_size)
+        files = {split: TokenizedFile(self.out, f"{split}_{rank:05d}.ds", save_index=True, token_size=dtype.itemsize)
+                 for split in SPLITS}
+        empty = dict.fromkeys(SPLITS, 0)
+        for first in range(start, stop, self.batch_rows):
+            batch = rows[first : min(stop, first + self.batch_rows)]
+            prompts = batch["prompt"] if "prompt" in batch else [None] * len(batch["chosen"])
+            for i, (prompt, chosen, rejected) in enumerate(zip(prompts, batch["chosen"], batch["rejected"])):
+                split = "validation" if held_out(first + i, self.seed, self.val_fraction) else "train"
+                pair = pairs.tokenized_pair(codec, prompt, chosen, rejected)
+                if not pair[1] or not pair[2]:
+                    empty[split] += 1
+                    continue
+                for ids in pair:
+                    files[split].write_bytes(np.asarray(ids, dtype=dtype).tobytes())
+        return files, empty
+
+
 def _holds_conversations(rows: Any, column: str) -> bool:
     return len(rows) > 0 and isinstance(rows[0][column], list)
 
@@ -167,6 +209,13 @@ def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = 
     # and the command corrected would be refused as "other settings".
     codec = source.codec()
     rows = source.rows()
+    if source.preference:
+        if pack_for:
+            raise UsageError("--pack-for is for documents (data.packing=true); preference pairs are padded, each "
+                             "pair's answers side by side")
+        if len(rows) and isinstance(rows[0]["chosen"], list) and codec.chat is None:
+            raise UsageError(f"--tokenizer {source.tokenizer}: {source.path} holds conversations, which need a "
+                             "tokenizer with a chat template (tokenizer_config.json's chat_template)")
     out.mkdir(parents=True, exist_ok=True)
     settings_file.write_text(json.dumps(settings, indent=2))
     task = TokenizeTask(source, str(out), val_fraction, seed, fast_bpe=fast_bpe)
@@ -188,6 +237,8 @@ def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = 
     manifest = {"format": FORMAT, "dtype": token_dtype(codec.vocab_size).name, "vocab_size": codec.vocab_size,
                 "tokenizer": codec.identity(), "loss_masks": (out / f"train_{0:05d}.ds.loss").is_file(),
                 "rows": len(rows), **settings, "splits": records}
+    if source.preference:
+        manifest["sample"] = PAIR_SAMPLE
     (out / (MANIFEST + ".tmp")).write_text(json.dumps(manifest, indent=1))
     (out / (MANIFEST + ".tmp")).replace(out / MANIFEST)
     for block_size in pack_for:

@@ -3,8 +3,9 @@ that a run's start-up and memory do not grow with the corpus.
 
 A prepared folder holds datatrove's token files (the format its DocumentTokenizer writes and nanotron reads), per
 preparation task and split: `{split}_{task:05d}.ds`, the token ids end to end (uint16, or uint32 for a vocabulary
-above 65,536), `.ds.index`, each document's end (uint64), and for data with label masks (prompt/completion,
-chats) `.ds.loss`, one byte per token, 1 where the token is a target. `manifest.json` names them with their tokens,
+above 65,536), `.ds.index`, each document's end (uint64), and for data with label masks (prompt/completion, chats)
+`.ds.loss`, one byte per token, 1 where the token is a target. Preference pairs (prepared with --preference) are
+three documents each: the prompt, the chosen and the rejected answer. `manifest.json` names them with their tokens,
 documents and digests, the tokenizer and the source; `tokenizer.json` (or `vocabulary.json`) is the tokenizer, so
 that a run decodes, samples and exports without the source.
 """
@@ -26,6 +27,7 @@ from torch.utils.data import Dataset
 from src.data.base import model_size
 from src.data.jsonl import IGNORE_INDEX, pad_right
 from src.data.packing import best_fit, pad_packed, summary_line
+from src.data.preference import LongPairs, LongPairsArg, collate_pairs, fitted, pair_sample, report
 from src.data.sampling import Permutation
 from src.data.text import TokenWindows, WindowStream, random_access_memmap
 from src.data.tokenizer import Codec
@@ -239,6 +241,30 @@ class PackedDocuments(Dataset):
         return sample
 
 
+class PreparedPairs(Dataset):
+    """The preference pairs of a prepared split (three documents each: prompt, chosen, rejected), read per sample
+    and fitted to block_size as every data option fits them (src/data/preference.py: fitted), numbered from
+    `first_index`. Only the documents' ends are read at start, 24 bytes a pair."""
+
+    def __init__(self, tokens: Concatenated, ends: np.ndarray, block_size: int, long_pairs: LongPairs,
+                 first_index: int = 0):
+        self.tokens, self.ends, self.block_size, self.long_pairs = tokens, ends, block_size, long_pairs
+        self.first_index = first_index
+        lengths = np.diff(ends, prepend=0).reshape(-1, 3)
+        fits = lengths[:, 0] + lengths[:, 1:].max(axis=1) <= block_size
+        self.kept = np.flatnonzero(fits) if long_pairs == "drop" else None  # the pairs' numbers in the split
+        self.counts = {"dropped" if long_pairs == "drop" else "truncated": int((~fits).sum())}
+
+    def __len__(self) -> int:
+        return len(self.ends) // 3 if self.kept is None else len(self.kept)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        pair = int(self.kept[i]) if self.kept is not None else i
+        bounds = [int(self.ends[3 * pair - 1]) if pair else 0, *self.ends[3 * pair : 3 * pair + 3].tolist()]
+        ids = tuple(self.tokens[begin:end].astype(np.int64).tolist() for begin, end in zip(bounds, bounds[1:]))
+        return pair_sample(*fitted(ids, self.block_size, self.long_pairs), self.first_index + i)
+
+
 class ShardData(WindowStream):
     """A folder of prepared token shards (scripts/prepare_data.py). By default windows of block_size tokens across
     documents, as data=tokens cuts them, over every training shard end to end; with data.packing=true whole
@@ -256,11 +282,18 @@ class ShardData(WindowStream):
         long_documents: Annotated[Literal["truncate", "split"], Arg(
             "with packing true or false, a document longer than block_size is truncated to it, or (packing=true) "
             "split into documents of block_size")] = "truncate",
+        preference: Annotated[bool, Arg(
+            "the folder holds preference pairs (scripts/prepare_data.py --preference), for objective=dpo/simpo/orpo; "
+            "each pair is fitted to block_size as it is read")] = False,
+        long_pairs: LongPairsArg = "truncate",
         **stream,
     ):
         super().__init__(**stream)
         self.folder = Path(path).expanduser()
         self.manifest = read_manifest(self.folder)
+        if preference or self.manifest.get("sample", "").startswith("preference pairs"):
+            self._read_pairs(path, preference, packing, long_pairs)
+            return
         whole = packing != "cross_document"
         if whole and (self.random_offset or self.random_windows):
             raise UsageError(f"data.packing={str(packing).lower()} keeps documents whole; data.random_offset and "
@@ -297,6 +330,40 @@ class ShardData(WindowStream):
         self.source_files = {MANIFEST: self.folder / MANIFEST, **{
             shard["file"] + suffix: self.folder / (shard["file"] + suffix)
             for split in SPLITS for shard in self.manifest["splits"][split] for suffix in suffixes}}
+
+    def _read_pairs(self, path: str, preference: bool, packing: Union[bool, str], long_pairs: LongPairs) -> None:
+        from src.data.prepare import PAIR_SAMPLE
+
+        sample = self.manifest.get("sample", "documents")
+        if not preference:
+            raise UsageError(f"data.path={path} holds preference pairs (prepared with --preference): train on them "
+                             "with data.preference=true and objective=dpo, simpo or orpo")
+        if sample != PAIR_SAMPLE:
+            raise UsageError(f"data.path={path} holds {sample.split(' (')[0]}, "
+                             + ("prepared by another rule than this template's: prepare the folder again"
+                                if sample.startswith("preference pairs") else
+                                "not preference pairs: prepare the pairs with scripts/prepare_data.py SOURCE OUT "
+                                "--preference"))
+        if packing != "cross_document" or self.random_offset or self.random_windows:
+            raise UsageError("data.packing, data.random_offset and data.random_windows are for documents; preference "
+                             "pairs (data.preference=true) are padded, each pair's answers side by side")
+        (train, _), (val, _) = (open_split(self.folder, self.manifest, split) for split in SPLITS)
+        ends = {split: document_ends(self.folder, self.manifest, split) for split in SPLITS}
+        self.train = PreparedPairs(train, ends["train"], self.block_size, long_pairs)
+        self.val = PreparedPairs(val, ends["validation"], self.block_size, long_pairs, first_index=len(self.train))
+        from accelerate import PartialState
+
+        for name, pairs in (("training", self.train), ("validation", self.val)):
+            if len(pairs) == 0:
+                raise UsageError(f"data.path={path}: no {name} preference pair (data.block_size={self.block_size}, "
+                                 f"data.long_pairs={long_pairs})")
+            if PartialState().is_main_process:
+                report(pairs.counts, len(pairs), self.block_size, f"data.path={path}, {name}")
+        self.collate_fn = collate_pairs
+        self.codec = Codec.load(self.folder)
+        self.source_files = {MANIFEST: self.folder / MANIFEST, **{
+            shard["file"] + suffix: self.folder / (shard["file"] + suffix)
+            for split in SPLITS for shard in self.manifest["splits"][split] for suffix in ("", ".index")}}
 
     def train_sampler(self, dataset) -> Permutation:
         # Millions of windows: an order computed as the loader goes, not a list of the epoch (src/data/sampling.py).

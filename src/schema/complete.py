@@ -124,8 +124,8 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
     if pairs != on_pairs:
         problems.append(f"data.preference={str(pairs).lower()} with objective={chosen_option(cfg, 'objective')}: "
                         + ("preference pairs train objective=dpo, simpo or orpo" if pairs else
-                           "this objective trains on preference pairs: data=jsonl or data=hf_dataset with "
-                           "data.preference=true"))
+                           "this objective trains on preference pairs: data=jsonl, data=hf_dataset or data=shards "
+                           "with data.preference=true"))
     if cfg.optimizer.scale_lr != "none" and cfg.optimizer.reference_batch is None:
         problems.append(f"optimizer.scale_lr={cfg.optimizer.scale_lr} needs optimizer.reference_batch: the global batch "
                         "(samples per optimizer step) optimizer.lr was tuned for")
