@@ -26,7 +26,7 @@ from src.checkpointing.resume import check_same_data
 from src.checkpointing.training_state import leaves_out_frozen
 from src.data.base import DataModule
 from src.data.packing import attend_per_document
-from src.data.tokenizer import BUILT_IN_TOKENIZERS
+from src.data.tokenizer import BUILT_IN_TOKENIZERS, Codec
 from src.errors import UsageError
 from src.faults.run_dir_lock import acquire_run_dir
 from src.launch.accelerator import build_accelerator
@@ -38,7 +38,7 @@ from src.loop.accumulation import fit_run_to_data
 from src.loop.auto_batch import find_micro_batch
 from src.loop.sync_batchnorm import sync_batchnorm
 from src.loop.train_state import TrainState
-from src.models.hub import fetch_from_hub
+from src.models.hub import TOKENIZER_FILES, fetch_from_hub, local_path
 from src.models.pretrained_slices import PretrainedSlices, load_slices, plan_slices
 from src.objectives.base import Objective
 from src.schema.build import build
@@ -109,6 +109,7 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
                             if key in commits and OmegaConf.select(cfg, revision, default="absent") is None})
     # The data first: the model config may use sizes only the data knows (${dataset:vocab_size}).
     data = build(cfg.data, group="data")
+    check_tokenized_for_pretrained(data, cfg.model)
     fingerprint = data.fingerprint()
     data_changed = bool(checkpoint) and check_same_data(checkpoint, fingerprint, cfg.trainer.resume_with_changed_data)
     layout = TrainState(batch_size=data.batch_size, num_processes=accelerator.num_processes,
@@ -162,6 +163,27 @@ def check_vocabulary_fits(model: torch.nn.Module, sizes: dict[str, int], model_c
         raise UsageError(f"the data has {vocab_size} token ids but {source} embeds {embeddings.num_embeddings}: "
                          "tokenize with the model's own tokenizer (data.tokenizer=PATH; the default with "
                          "model.pretrained when its folder has tokenizer.json)")
+
+
+def check_tokenized_for_pretrained(data: DataModule, model_cfg: DictConfig) -> None:
+    """model.pretrained reads ids as its own tokenizer made them. Data whose ids another made (shards prepared with
+    another --tokenizer, a data.tokenizer given) would train on ids that mean other text, silently wherever they fit
+    the embedding: refused, where the folder says how its text became ids (a tokenizer, or an export's
+    vocabulary.json; trainer.init_weights has its own check, src/checkpointing/load.py)."""
+    codec, pretrained = getattr(data, "codec", None), model_cfg.get("pretrained")
+    if codec is None or not pretrained:
+        return
+    folder = local_path(str(pretrained), "model.pretrained", TOKENIZER_FILES, revision=model_cfg.get("revision"),
+                        quiet=True)
+    try:
+        theirs = Codec.load(folder)
+    except FileNotFoundError:  # weights alone: nothing to compare with
+        return
+    if theirs.identity() != codec.identity():
+        raise UsageError(f"model.pretrained={pretrained} reads token ids as its {theirs.describe()} made them, but "
+                         f"this run's data was tokenized by {codec.describe()}: each id would mean another token. "
+                         "Tokenize the data with the model's tokenizer: data.tokenizer (by default the model's), or, "
+                         f"for data=shards, scripts/prepare_data.py --tokenizer {pretrained}")
 
 
 def with_values(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:

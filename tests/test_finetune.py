@@ -15,6 +15,7 @@ from tests.conftest import (
     HF_HOME,
     PRETRAINED_VOCAB,
     QUIET,
+    ROOT,
     exported_weights,
     kill_when,
     max_abs_diff,
@@ -134,6 +135,44 @@ def test_data_with_more_token_ids_than_a_pretrained_model_embeds_is_refused_befo
     with pytest.raises(UsageError) as refused:
         check_vocabulary_fits(model, {"vocab_size": 400}, OmegaConf.create({"pretrained": str(pretrained)}))
     named(str(refused.value), "400", f"model.pretrained={pretrained}", "320", "data.tokenizer=PATH")
+
+
+def test_data_whose_ids_another_tokenizer_made_is_refused_for_a_pretrained_model_even_where_they_fit(
+        tmp_path, pretrained):
+    """Bytes fit a 320-token embedding, so only the tokenizers' identities tell: shards prepared with another
+    tokenizer, and a data.tokenizer given, are refused before anything is written; the model's own tokenizer, and
+    shards prepared with it (its file saved beside them), are accepted, as is a folder of weights alone."""
+    from omegaconf import OmegaConf
+
+    from src.data.jsonl import JsonlData
+    from src.data.shards import ShardData
+    from src.run import check_tokenized_for_pretrained
+
+    model_cfg = OmegaConf.create({"pretrained": str(pretrained)})
+    speeches = str(ROOT / "data" / "shakespeare_speeches.jsonl")
+    for tokenizer in ("byte", str(pretrained)):
+        out = tmp_path / ("bytes" if tokenizer == "byte" else "model_tokenizer")
+        run([speeches, str(out), "--tokenizer", tokenizer], script="scripts/prepare_data.py")
+        shards, jsonl = (ShardData(path=str(out), block_size=32, batch_size=2),
+                         JsonlData(path=speeches, tokenizer=tokenizer, block_size=32, batch_size=2))
+        for data in (shards, jsonl):
+            if tokenizer == "byte":
+                with pytest.raises(UsageError) as error:
+                    check_tokenized_for_pretrained(data, model_cfg)
+                named(str(error.value), f"model.pretrained={pretrained}", "bytes", "data.tokenizer",
+                      f"--tokenizer {pretrained}")
+            else:
+                check_tokenized_for_pretrained(data, model_cfg)
+    weights_alone = tmp_path / "weights_alone"
+    weights_alone.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (weights_alone / name).write_bytes((pretrained / name).read_bytes())
+    check_tokenized_for_pretrained(shards, OmegaConf.create({"pretrained": str(weights_alone)}))
+    proc = run(["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=32", "data=shards",
+                f"data.path={tmp_path / 'bytes'}", "objective=causal_lm", "trainer.max_steps=1",
+                f"hydra.run.dir={tmp_path / 'run'}"], check=False)
+    refused(proc, "bytes", "--tokenizer")
+    assert not (tmp_path / "run").exists()
 
 
 def test_text_data_reads_a_pretrained_folders_tokenizer_and_refuses_a_folder_without_one(tmp_path, pretrained):

@@ -84,6 +84,12 @@ class Codec:
             return "tokenizer " + hashlib.blake2b(self.tokenizer.to_str().encode(), digest_size=8).hexdigest()
         return "bytes" if self.kind == "byte" else self.chars
 
+    def describe(self) -> str:
+        """identity() for a message: a tokenizer with its digest, not the characters one by one."""
+        if self.kind == "char":
+            return f"characters ({len(self.chars)}: {self.chars[:20]!r}...)"
+        return self.identity() if self.kind == "tokenizer" else "bytes"
+
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
         """`special_tokens`: what the tokenizer adds around a whole text (a BOS token in front, for Llama's,
         Mistral's or Gemma's); false for a piece of a text, or a text a chat template rendered with its own."""
