@@ -439,6 +439,11 @@ def test_bad_inputs_name_the_flag_or_key_and_leave_nothing_that_refuses_the_corr
     refused(prepare(speeches, tmp_path / "out", "--text-column", "body", check=False), "--text-column=body", "text")
     refused(prepare(speeches, tmp_path / "out", "--tokenizer", str(tmp_path / "typo.json"), check=False),
             "--tokenizer", "typo.json")
+    for flags, names in ((["--split", "test"], ["--split=test", "train"]), (["--subset", "x"], ["--subset=x"])):
+        refused(prepare(speeches, tmp_path / "out", *flags, check=False), *names)
+    missing = prepare(tmp_path / "typo.jsonl", tmp_path / "out", check=False)  # the script's words, not data.path's
+    refused(missing, "SOURCE=", "typo.jsonl")
+    assert "data.path" not in missing.stdout
     assert not (tmp_path / "out").exists()
     prepare(speeches, tmp_path / "out", "--val-fraction", "0.1")  # corrected, into the same folder
     refused(run([*TINY_GPT, "data=shards", f"data.path={tmp_path / 'nothing'}",

@@ -267,19 +267,24 @@ def _source_files(source: Path) -> dict[str, Path]:
             if file.is_file() and not file.name.startswith(("cache-", "."))}
 
 
-def _load(source: Path, path: str, split: str, val_split: Optional[str], subset: Optional[str]) -> dict[str, Any]:
+# What data=hf_dataset calls what _load reads; scripts/prepare_data.py names them by its own arguments.
+DATA_KEYS = {"path": "data.path", "subset": "data.subset", "split": "data.split", "val_split": "data.val_split"}
+
+
+def _load(source: Path, path: str, split: str, val_split: Optional[str], subset: Optional[str],
+          keys: dict[str, str] = DATA_KEYS) -> dict[str, Any]:
     """The splits asked for of what data.path names (`source`: where it is on this machine), as datasets.Dataset
-    objects, or an error naming data.path / data.split / data.subset."""
+    objects, or an error naming data.path / data.split / data.subset (`keys`: what the caller calls them)."""
     try:
         from datasets import DatasetDict, get_dataset_config_names, load_dataset, load_from_disk
     except ImportError as error:
         raise UsageError("data=hf_dataset needs datasets: pip install -r requirements-extras.txt") from error
     if not source.exists():
-        raise FileNotFoundError(f"data.path={path!r}: no such file or folder (relative paths are relative to "
+        raise FileNotFoundError(f"{keys['path']}={path!r}: no such file or folder (relative paths are relative to "
                                 f"{Path.cwd()})")
     saved = source.is_dir() and any((source / f).is_file() for f in ("dataset_info.json", "dataset_dict.json"))
     if subset is not None and (saved or source.is_file()):
-        raise UsageError(f"data.subset={subset}: {path} is {'a save_to_disk folder' if saved else 'one file'}, "
+        raise UsageError(f"{keys['subset']}={subset}: {path} is {'a save_to_disk folder' if saved else 'one file'}, "
                          "which has no subsets (they are a folder's or a hub dataset's, named in its README.md)")
     if saved:
         loaded = load_from_disk(str(source))
@@ -287,7 +292,7 @@ def _load(source: Path, path: str, split: str, val_split: Optional[str], subset:
             loaded = DatasetDict({"train": loaded})
     elif source.is_file():
         if source.suffix not in BUILDERS:
-            raise UsageError(f"data.path={path}: a {source.suffix or 'suffix-less'} file; data=hf_dataset reads "
+            raise UsageError(f"{keys['path']}={path}: a {source.suffix or 'suffix-less'} file; data=hf_dataset reads "
                              f"{', '.join(BUILDERS)} files or a save_to_disk folder")
         loaded = load_dataset(BUILDERS[source.suffix], data_files={"train": str(source)})
     else:
@@ -296,14 +301,14 @@ def _load(source: Path, path: str, split: str, val_split: Optional[str], subset:
         except ValueError as error:  # datasets' words for a subset missing or unknown
             subsets = ", ".join(get_dataset_config_names(str(source)))
             if subset is None and "Config name is missing" in str(error):
-                raise UsageError(f"data.subset: {path} has several subsets ({subsets}): pick one with "
-                                 "data.subset=NAME") from None
+                raise UsageError(f"{keys['subset']}: {path} has several subsets ({subsets}): pick one with "
+                                 f"{keys['subset']}=NAME") from None
             if subset is not None and "not found" in str(error):
-                raise UsageError(f"data.subset={subset}: {path} has the subsets {subsets}") from None
+                raise UsageError(f"{keys['subset']}={subset}: {path} has the subsets {subsets}") from None
             raise
     wanted = [split] + ([val_split] if val_split else [])
     missing = [name for name in wanted if name not in loaded]
     if missing:
-        key = "data.split" if missing[0] == split else "data.val_split"
+        key = keys["split"] if missing[0] == split else keys["val_split"]
         raise UsageError(f"{key}={missing[0]}: {path} has the splits {', '.join(loaded)}")
     return {name: loaded[name] for name in wanted}

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # The manifest's "sample" of a folder of preference pairs; the rule is in it, so that shards of another rule are
 # refused (src/data/shards.py).
 PAIR_SAMPLE = f"preference pairs, three documents each: prompt, chosen, rejected (rule {pairs.PAIR_RULE})"
+KEYS = {"path": "SOURCE", "subset": "--subset", "split": "--split", "val_split": "--split"}  # in _load's messages
 RECORDS = "tasks"  # one JSON per finished task and split: its file's tokens, documents and digests
 
 
@@ -51,8 +52,8 @@ class Source:
         from src.data.hf_dataset import _load
         from src.models.hub import dataset_path
 
-        rows = _load(dataset_path(self.path, self.subset, refresh=True), self.path, self.split, None,
-                     self.subset)[self.split]
+        rows = _load(dataset_path(self.path, self.subset, refresh=True, key="SOURCE"), self.path, self.split, None,
+                     self.subset, KEYS)[self.split]
         if self.preference:
             pairs.missing_columns(rows.column_names, self.path)
             return rows

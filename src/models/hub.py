@@ -96,14 +96,14 @@ def local_path(name: str, key: str, files: list[str] = MODEL_FILES, refresh: boo
         raise UsageError(f"{key}={name}: fetching it from the Hugging Face hub failed: {_first_line(error)}") from None
 
 
-def dataset_path(name: str, subset: Optional[str], refresh: bool = False) -> Path:
-    """data.path of data=hf_dataset: a path as it is; a hub id as the snapshot of its card and of the data files
-    the card gives the subset (all data files where it does not say)."""
+def dataset_path(name: str, subset: Optional[str], refresh: bool = False, key: str = "data.path") -> Path:
+    """data.path of data=hf_dataset (`key`: what the caller calls it): a path as it is; a hub id as the snapshot of
+    its card and of the data files the card gives the subset (all data files where it does not say)."""
     if not is_hub_id(name):
         return Path(name).expanduser()
-    card = local_path(name, "data.path", [CARD], refresh, "dataset", quiet=True) / CARD
+    card = local_path(name, key, [CARD], refresh, "dataset", quiet=True) / CARD
     files = subset_files(card, subset) or DATASET_FILES
-    return local_path(name, "data.path", [CARD, *files], refresh, "dataset")
+    return local_path(name, key, [CARD, *files], refresh, "dataset")
 
 
 def subset_files(card: Path, subset: Optional[str]) -> list[str]:
