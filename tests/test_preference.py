@@ -399,13 +399,20 @@ def without_key_biases(run_dir: Path) -> dict:
     return weights
 
 
+# "The same weights" across layouts is up to float rounding, which AdamW's normalisation amplifies where a
+# gradient is near zero (as for the key biases above): one element of 4,096 ended 3e-5 apart between 1 and 2
+# processes on an AMD EPYC (every other under 1e-6), while a global batch of 7 pairs in place of 8 moves 3/4 of
+# the elements more than 1e-4 apart (the furthest 1e-2).
+ACROSS_LAYOUTS = 1e-4
+
+
 @pytest.mark.slow  # four launches of two processes or a kill, ~60 s
 def test_dpo_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_with_its_precomputed_reference(
         tmp_path, pretrained):
     """Full fine-tuning against log-probabilities precomputed before the first step: 2 processes of 2 pairs
-    accumulating 2 train the weights and log the metrics of 1 process of 4 pairs accumulating 2 (<= 1e-5); a
-    reference=copy run trains the same weights; a run killed after a checkpoint resumes bitwise, reading the
-    table it kept rather than computing it again."""
+    accumulating 2 train the weights (ACROSS_LAYOUTS) and log the metrics (<= 1e-5) of 1 process of 4 pairs
+    accumulating 2; a reference=copy run trains the same weights; a run killed after a checkpoint resumes bitwise,
+    reading the table it kept rather than computing it again."""
     common = ["trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.monitor=null", "trainer.eval_every=0",
               "trainer.gradient_accumulation_steps=2", "trainer.log_every=1"]
     one, two, copied, killed = (tmp_path / name for name in ("one", "two", "copy", "killed"))
@@ -415,8 +422,10 @@ def test_dpo_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_w
     run(dpo_args(pretrained, copied, "data.batch_size=4", "objective.reference=copy", *common))
     for name in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
         ones = scalars(one, f"train/{name}")  # a log-probability of -150 is stored to 1.5e-5 (TensorBoard's fp32)
-        assert all(scalars(two, f"train/{name}")[s] == pytest.approx(ones[s], abs=1e-5, rel=1e-6) for s in ones), name
-    assert max_abs_diff(without_key_biases(two), without_key_biases(one)) <= 1e-5
+        # At step 1 the policy is its reference: every pair a tie, whose sign (the accuracy) is rounding's.
+        steps = [s for s in ones if s > 1 or name != "rewards/accuracies"]
+        assert all(scalars(two, f"train/{name}")[s] == pytest.approx(ones[s], abs=1e-5, rel=1e-6) for s in steps), name
+    assert max_abs_diff(without_key_biases(two), without_key_biases(one)) <= ACROSS_LAYOUTS
     assert max_abs_diff(exported_weights(copied), exported_weights(one)) <= 1e-5
 
     kill_when(dpo_args(pretrained, killed, "data.batch_size=4", *precomputed), 1,
@@ -444,7 +453,7 @@ def test_dpo_under_fsdp_trains_the_weights_of_one_process_with_lora_s_base_or_pr
                      *([] if extra else ["objective.reference=precomputed"])))
         log = run(dpo_args(pretrained, sharded, "data.batch_size=2", *common, *extra), nproc=2, **FSDP_ON_CPU).stdout
         assert f"objective.reference={'adapter' if extra else 'precomputed'}" in log
-        assert max_abs_diff(without_key_biases(sharded), without_key_biases(one)) <= 1e-5, name
+        assert max_abs_diff(without_key_biases(sharded), without_key_biases(one)) <= ACROSS_LAYOUTS, name
     proc = run(dpo_args(pretrained, tmp_path / "copy", "objective.reference=copy", *common), nproc=2, check=False,
                **FSDP_ON_CPU)
     assert proc.returncode != 0 and "step 1/" not in proc.stdout
