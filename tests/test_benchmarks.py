@@ -93,13 +93,16 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
     (["packing", "--repeats", "1", "--steps", "2", "--block-size", "32", "--model", "gpt"],
      lambda r: r["packed"]["targets_per_step"] > r["padded"]["targets_per_step"] > 0),
     (["data", "--repeats", "1", "--prepare-tokens", "200000", "--small", "300000", "--large", "3000000",
-      "--steps", "2", "--launch-rounds", "2", "--parts", "tokenizer,prepare,tiny,startup,wait,loaders"],
+      "--steps", "2", "--launch-rounds", "2", "--pairs", "2000",
+      "--parts", "tokenizer,prepare,tiny,startup,wait,loaders,pairs"],
      lambda r: r["prepare, 2 worker(s)"]["tokens_per_s"] * r["data=shards, 3,000,000 tokens"]["first_step_s"]
      * r["loader, data=stream (one Parquet file, data.reshard=true), block 256, 2 workers"]["tokens_per_s"]
      * r["host time per step, data=shards, 5 x 12 x 1024, 2 workers"]["median_ms"]
      * r["host time per step, data=shards, 5 x 12 x 1024, data.read_ahead=true"]["median_ms"]
      * r["host work per step beside the reader"]["data.read_ahead=true"]["host_work_off_cpu_ms"]
-     * r["prepare tiny Shakespeare, 2 worker(s)"]["tokens_per_s"] * r["tiny Shakespeare, data=shards"]["first_step_s"]),
+     * r["prepare tiny Shakespeare, 2 worker(s)"]["tokens_per_s"] * r["tiny Shakespeare, data=shards"]["first_step_s"]
+     * r["prepare 2,000 pairs, 2 worker(s)"]["pairs_per_s"]
+     * r["2,000 pairs, data=shards: start to the first step"]["first_step_s"]),
     (["preference", "--repeats", "1", "--steps", "6", "--layers", "1", "--width", "64", "--log-every", "2"],
      lambda r: r["lora: ours over trl, step time"] * r["full: ours over trl, step time"]
      * r["ours lora"]["peak_rss_gib"] * r["trl full"]["peak_rss_gib"]),

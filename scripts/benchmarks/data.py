@@ -15,6 +15,9 @@ tokenizing it at the start of a run.
 - The host's time per GPU-sized step in the loader (in the process, with workers, read ahead by a thread), and
   whether the reading thread slows the training thread's own host work (a GPU's kernel launches; a tiny model's
   eager step stands in for them).
+- Preference pairs (`--pairs`, data/shakespeare_pairs.jsonl repeated, each prompt numbered): prepared with
+  --preference on 1 and 2 workers (pairs and tokens a second, bytes a pair), and a SimPO run's start to its first
+  step on them against data=hf_dataset data.preference=true on the same file.
 Each figure is one run, side by side in one invocation; the machine is named in scripts/BENCHMARKS.md.
 """
 
@@ -256,7 +259,46 @@ def prepare_timed(source: Path, out: Path, tokenizer: Path, workers: int, *flags
             "bytes_per_token": round(on_disk / tokens, 2)}
 
 
-PARTS = ("tokenizer", "prepare", "tiny", "startup", "wait", "wait_gpt2", "loaders")
+def synthetic_pairs(path: Path, pairs: int) -> Path:
+    """data/shakespeare_pairs.jsonl's 600 pairs over and over, each prompt numbered (no two pairs alike), as JSON
+    Lines: TRL's string form with an explicit prompt."""
+    rows = [json.loads(line) for line in (ROOT / "data" / "shakespeare_pairs.jsonl").read_text().splitlines()]
+    with path.open("w") as out:
+        for i in range(pairs):
+            row = rows[i % len(rows)]
+            out.write(json.dumps({**row, "prompt": f"{i}. {row['prompt']}"}) + "\n")
+    return path
+
+
+def preference_pairs(tmp: Path, tokenizer: Path, pairs: int) -> dict:
+    """Pairs prepared once (--preference, 1 and 2 workers) against data=hf_dataset data.preference=true tokenizing
+    them at the start: the preparation's pairs and tokens a second, bytes a pair on disk, and each run's start to
+    its first step (a tiny GPT, objective=simpo: no reference, whose pass over every pair would be timed too)."""
+    source, report = synthetic_pairs(tmp / "pairs.jsonl", pairs), {}
+    for workers in (1, 2):
+        out = tmp / f"pairs_{workers}"
+        started = time.time()
+        run([sys.executable, "scripts/prepare_data.py", str(source), str(out), "--preference", "--tokenizer",
+             str(tokenizer), "--workers", str(workers), "--tasks", str(2 * workers)])
+        seconds = time.time() - started
+        manifest = json.loads((out / "manifest.json").read_text())
+        shards = [shard for split in manifest["splits"].values() for shard in split]
+        tokens, kept = sum(s["tokens"] for s in shards), sum(s["pairs"] for s in shards)
+        on_disk = sum(f.stat().st_size for f in out.iterdir() if f.name.endswith((".ds", ".ds.index")))
+        report[f"prepare {pairs:,} pairs, {workers} worker(s)"] = {
+            "seconds": round(seconds, 1), "pairs_per_s": round(kept / seconds), "tokens_per_s": round(tokens / seconds),
+            "bytes_per_pair": round(on_disk / kept, 1), "tokens_per_pair": round(tokens / kept, 1)}
+    simpo = [*TINY, "objective=simpo", "data.preference=true", "data.batch_size=8", "trainer.max_steps=1"]
+    for name, overrides in (("data=hf_dataset", ["data=hf_dataset", f"data.path={source}",
+                                                 f"data.tokenizer={tokenizer}"]),
+                            ("data=shards", ["data=shards", f"data.path={tmp / 'pairs_1'}"])):
+        measured = first_step([*simpo, *overrides], tmp)
+        report[f"{pairs:,} pairs, {name}: start to the first step"] = {
+            key: value for key, value in measured.items() if key not in ("summary", "data_wait")}
+    return report
+
+
+PARTS = ("tokenizer", "prepare", "tiny", "startup", "wait", "wait_gpt2", "loaders", "pairs")
 
 
 def data(args) -> dict:
@@ -354,6 +396,8 @@ def data(args) -> dict:
                 report[f"host time per step, data=shards, 5 x 12 x 1024, {name}"] = host_ms_per_step(
                     shards, 60, 5, 0.139, read_ahead=loader.get("read_ahead", False))
             report["host work per step beside the reader"] = launches_beside_the_reader(prepared, args.launch_rounds)
+        if "pairs" in parts:
+            report.update(preference_pairs(tmp, tokenizer, args.pairs))
     return report
 
 
@@ -367,6 +411,7 @@ def add_commands(commands) -> dict:
     c.add_argument("--steps", type=int, default=20, help="steps of the data-wait run")
     c.add_argument("--launch-rounds", type=int, default=90,
                    help="steps each way of the host-work measure (no data, in the process, read ahead), in turns")
+    c.add_argument("--pairs", type=int, default=200_000, help="preference pairs prepared and trained on (pairs)")
     c.add_argument("--parts", default=",".join(PARTS), help=f"which measures, among {', '.join(PARTS)}")
     c.add_argument("--scratch", default=None, help="where to write the corpus and shards (a few GB at the default)")
     return {"data": data}
