@@ -95,6 +95,9 @@ def main() -> int:
         return 0
     for split, shards in manifest["splits"].items():
         tokens = sum(shard["tokens"] for shard in shards)
+        if not sum(shard["documents"] for shard in shards):
+            print(f"warning: the {split} split is empty, and a run on {args.out} is refused: prepare again with a "
+                  f"{'larger' if split == 'validation' else 'smaller'} --val-fraction", file=sys.stderr)
         if args.preference:
             pairs, empty = (sum(shard[key] for shard in shards) for key in ("pairs", "pairs without an answer token"))
             print(f"{split}: {pairs:,} pairs, {tokens:,} tokens, {len(shards)} files"

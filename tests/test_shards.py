@@ -10,7 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, kill_when, max_abs_diff, refused, run, scalars
+from tests.conftest import (
+    QUIET,
+    ROOT,
+    TINY_GPT,
+    exported_weights,
+    kill_when,
+    max_abs_diff,
+    named,
+    refused,
+    run,
+    scalars,
+)
 
 pytest.importorskip("datatrove")
 datasets = pytest.importorskip("datasets")
@@ -409,6 +420,21 @@ def test_prepared_pairs_and_documents_are_each_refused_where_the_other_is_expect
                                  "rejected": [{"role": "user", "content": "a"}]}) + "\n")
     refused(prepare(chats, tmp_path / "no", "--preference", check=False), "--tokenizer", "chat template")
     assert not (tmp_path / "no").exists()
+
+
+def test_prepared_pairs_that_leave_a_split_empty_are_refused_naming_what_fills_it(tmp_path):
+    from src.data.shards import ShardData
+    from src.errors import UsageError
+
+    few = tmp_path / "few.jsonl"
+    few.write_text("\n".join((ROOT / "data" / "shakespeare_pairs.jsonl").read_text().splitlines()[:20]) + "\n")
+    proc = prepare(few, tmp_path / "pairs", "--preference", "--val-fraction", "0.001")
+    named(proc.stdout, "validation split is empty", "--val-fraction")
+    with pytest.raises(UsageError, match="validation split holds no preference pair.*larger --val-fraction"):
+        ShardData(path=str(tmp_path / "pairs"), block_size=64, batch_size=2, preference=True)
+    prepare(few, tmp_path / "halves", "--preference", "--val-fraction", "0.5")
+    with pytest.raises(UsageError, match="no training preference pair fits data.block_size=16"):
+        ShardData(path=str(tmp_path / "halves"), block_size=16, batch_size=2, preference=True, long_pairs="drop")
 
 
 def test_a_killed_preparation_started_again_skips_its_finished_tasks_and_writes_what_an_uninterrupted_one_does(

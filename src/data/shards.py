@@ -354,9 +354,13 @@ class ShardData(WindowStream):
         from accelerate import PartialState
 
         for name, pairs in (("training", self.train), ("validation", self.val)):
+            if len(pairs.ends) == 0:
+                raise UsageError(f"data.path={path}: its {name} split holds no preference pair; prepare it again "
+                                 f"with a {'larger' if name == 'validation' else 'smaller'} --val-fraction (the "
+                                 "share of the rows held out)")
             if len(pairs) == 0:
-                raise UsageError(f"data.path={path}: no {name} preference pair (data.block_size={self.block_size}, "
-                                 f"data.long_pairs={long_pairs})")
+                raise UsageError(f"data.path={path}: no {name} preference pair fits data.block_size={self.block_size} "
+                                 f"(data.long_pairs={long_pairs}: use truncate, or a larger block)")
             if PartialState().is_main_process:
                 report(pairs.counts, len(pairs), self.block_size, f"data.path={path}, {name}")
         self.collate_fn = collate_pairs
