@@ -347,10 +347,13 @@ def test_preference_pairs_survive_preparation_as_data_preference_tokenizes_them_
                       "rejected": turn + [{"role": "assistant", "content": "JULIET" * (i % 9)}]} for i in range(80)]
     for name, rows, tokenizer, block_size in (
             ("strings", strings, "byte", 96),
+            ("strings, BPE", strings, str(pretrained), 64),  # encoded in batches: tokenizers' batch path
             ("conversations", conversations, str(with_chat_template(pretrained, tmp_path)), 48)):
         source, out = tmp_path / f"{name}.parquet", tmp_path / f"{name}_shards"
         datasets.Dataset.from_list(rows).to_parquet(str(source))
         proc = prepare(source, out, "--preference", "--tokenizer", tokenizer, "--tasks", "2", "--val-fraction", "0.2")
+        if tokenizer == "byte":  # no end-of-text token: an empty answer has none
+            assert "1 pairs without an answer token left out" in proc.stdout, proc.stdout
         codec = codec_for(tokenizer)
         for long_pairs in ("truncate", "drop"):
             data = ShardData(path=str(out), block_size=block_size, batch_size=2, preference=True,
@@ -361,13 +364,12 @@ def test_preference_pairs_survive_preparation_as_data_preference_tokenizes_them_
                 expected, counts = tokenized_pairs(codec, columns, block_size, long_pairs)
                 got = getattr(data, split)
                 assert counts["truncated" if long_pairs == "truncate" else "dropped"] > 0, (name, split)
-                assert len(got) == len(expected["chosen_ids"]), (name, split, long_pairs)
+                assert 0 < len(got) == len(expected["chosen_ids"]), (name, split, long_pairs)
                 for i in range(len(got)):
                     sample = got[i]
                     assert [sample[f"{key}_ids"].tolist() for key in ("prompt", "chosen", "rejected")] == [
                         expected[f"{key}_ids"][i] for key in ("prompt", "chosen", "rejected")], (name, split, i)
                     assert int(sample["pair_index"]) == first + i
-    assert "1 pairs without an answer token left out" in proc.stdout or name == "conversations"
 
 
 @pytest.mark.slow  # a preparation and four launches, two of them of two processes: ~50 s
