@@ -158,7 +158,6 @@ class TokenizeTask:
             raise
         return files
 
-
     def _tokenize_pairs(self, rows: Any, codec: Any, start: int, stop: int, rank: int) -> tuple[dict, dict]:
         """Rows [start, stop) of preference pairs into one open token file per split, three documents a pair
         (prompt, chosen, rejected; a prompt may be empty), whole: data.block_size is the run's to apply. A pair

@@ -325,9 +325,13 @@ class ShardData(WindowStream):
                 raise UsageError(f"data.path={path}: its {name} split holds {len(samples.tokens)} tokens, no "
                                  + ("document" if whole else f"window of data.block_size={self.block_size}"))
         self.codec = Codec.load(self.folder)
-        # The manifest holds each shard's digest from the preparation; file_digest samples each file's content.
-        suffixes = ("", *((".loss",) if self.manifest["loss_masks"] else ()), *((".index",) if whole else ()))
-        self.source_files = {MANIFEST: self.folder / MANIFEST, **{
+        self.source_files = self._files_read(("", *((".loss",) if self.manifest["loss_masks"] else ()),
+                                              *((".index",) if whole else ())))
+
+    def _files_read(self, suffixes: tuple[str, ...]) -> dict[str, Path]:
+        """The files a run reads, for its data fingerprint: the manifest (it holds each shard's digest from the
+        preparation; file_digest samples each file's content) and the shards' files with these suffixes."""
+        return {MANIFEST: self.folder / MANIFEST, **{
             shard["file"] + suffix: self.folder / (shard["file"] + suffix)
             for split in SPLITS for shard in self.manifest["splits"][split] for suffix in suffixes}}
 
@@ -365,9 +369,7 @@ class ShardData(WindowStream):
                 report(pairs.counts, len(pairs), self.block_size, f"data.path={path}, {name}")
         self.collate_fn = collate_pairs
         self.codec = Codec.load(self.folder)
-        self.source_files = {MANIFEST: self.folder / MANIFEST, **{
-            shard["file"] + suffix: self.folder / (shard["file"] + suffix)
-            for split in SPLITS for shard in self.manifest["splits"][split] for suffix in ("", ".index")}}
+        self.source_files = self._files_read(("", ".index"))
 
     def train_sampler(self, dataset) -> Permutation:
         # Millions of windows: an order computed as the loader goes, not a list of the epoch (src/data/sampling.py).
