@@ -22,15 +22,12 @@ from src.checkpointing.checksums import whole_file_digest
 from src.data import preference as pairs
 from src.data.fast_bpe import CheckedTwin, TwinDiffers, tiktoken_twin
 from src.data.jsonl import IGNORE_INDEX, tokenized_documents
-from src.data.shards import FORMAT, MANIFEST, SPLITS, cached_packing_plan, token_dtype
+from src.data.shards import FORMAT, MANIFEST, PAIR_SAMPLE, SPLITS, cached_packing_plan, token_dtype
 from src.data.text import _mix
 from src.data.tokenizer import codec_for
 from src.errors import UsageError
 
 log = logging.getLogger(__name__)
-# The manifest's "sample" of a folder of preference pairs; the rule is in it, so that shards of another rule are
-# refused (src/data/shards.py).
-PAIR_SAMPLE = f"preference pairs, three documents each: prompt, chosen, rejected (rule {pairs.PAIR_RULE})"
 KEYS = {"path": "SOURCE", "subset": "--subset", "split": "--split", "val_split": "--split"}  # in _load's messages
 RECORDS = "tasks"  # one JSON per finished task and split: its file's tokens, documents and digests
 

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from src.data.base import model_size
 from src.data.jsonl import IGNORE_INDEX, pad_right
 from src.data.packing import best_fit, pad_packed, summary_line
-from src.data.preference import LongPairs, LongPairsArg, collate_pairs, fitted, pair_sample, report
+from src.data.preference import PAIR_RULE, LongPairs, LongPairsArg, collate_pairs, fitted, pair_sample, report
 from src.data.sampling import Permutation
 from src.data.text import TokenWindows, WindowStream, random_access_memmap
 from src.data.tokenizer import Codec
@@ -37,6 +37,9 @@ from src.schema.signature import Arg
 MANIFEST = "manifest.json"
 FORMAT = "datatrove token files + manifest, version 1"
 SPLITS = ("train", "validation")
+# The manifest's "sample" of a folder of preference pairs; the rule is in it, so that shards of another rule are
+# refused.
+PAIR_SAMPLE = f"preference pairs, three documents each: prompt, chosen, rejected (rule {PAIR_RULE})"
 GROUP = 4096  # documents packed together (data.packing=true): best fit among them, a bounded cost per document
 
 log = logging.getLogger(__name__)
@@ -336,8 +339,6 @@ class ShardData(WindowStream):
             for split in SPLITS for shard in self.manifest["splits"][split] for suffix in suffixes}}
 
     def _read_pairs(self, path: str, preference: bool, packing: Union[bool, str], long_pairs: LongPairs) -> None:
-        from src.data.prepare import PAIR_SAMPLE
-
         sample = self.manifest.get("sample", "documents")
         if not preference:
             raise UsageError(f"data.path={path} holds preference pairs (prepared with --preference): train on them "
