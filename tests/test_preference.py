@@ -293,6 +293,60 @@ def test_a_steps_loss_and_gradient_are_the_same_however_the_global_batch_is_spli
         assert (gradient - whole_gradient).abs().max().item() < 1e-6, splits
 
 
+@pytest.mark.parametrize("model_kind", ["template", "transformers"])
+@pytest.mark.parametrize("objective", ["dpo", "dpo_ipo", "simpo", "orpo"])
+def test_packed_pairs_train_and_evaluate_as_the_same_pairs_padded(objective, model_kind, pretrained):
+    """data.packing=true with pairs (TRL's padding_free): the 2B answers packed into fewer rows, each attending to
+    itself only, give every objective's loss, gradient and metrics of the same pairs padded, with the reference's
+    log-probabilities computed on the packed batch too; the packed batch has no padding row and no attention_mask."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from src.data.packing import attend_per_document
+    from src.data.preference import Pairs, collate_pairs, pack_pairs, tokenized_pairs
+    from src.data.tokenizer import codec_for
+    from src.models.gpt import GPT
+    from src.objectives.preference import DPO, ORPO, SimPO
+    from src.objectives.reference import FrozenCopy
+
+    codec = codec_for(str(pretrained))
+    rows = shipped_pairs(6, codec)
+    columns = {key: [row[key] for row in rows] for key in rows[0]}
+    samples = list(Pairs(tokenized_pairs(codec, columns, 64, "truncate")[0]))
+    padded, packed = collate_pairs(samples), pack_pairs(samples, block_size=128)
+    assert packed["input_ids"].shape[0] < padded["input_ids"].shape[0] and "attention_mask" not in packed
+
+    torch.manual_seed(0)
+    build = {"template": lambda: GPT(vocab_size=codec.vocab_size, block_size=128, n_layer=2, n_head=2, n_embd=32),
+             "transformers": lambda: AutoModelForCausalLM.from_pretrained(pretrained)}[model_kind]
+    model = build()
+    attend_per_document(model)
+    chosen = {"dpo": lambda: DPO(reference="copy"), "dpo_ipo": lambda: DPO(loss_type="ipo", reference="copy"),
+              "simpo": lambda: SimPO(sft_weight=0.5), "orpo": lambda: ORPO()}[objective]()
+    reference = FrozenCopy(Accelerator(cpu=True), model, -100)
+    with torch.no_grad():  # a reference unlike the policy, so that the loss is not log 2 everywhere
+        for parameter in reference.model.parameters():
+            parameter.mul_(0.9)
+
+    def trained(batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        model.zero_grad()
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if objective.startswith("dpo"):
+            inputs["reference_logps"] = reference(model, inputs, batch["labels"])
+        loss = (chosen.model_loss_sum(model, inputs, batch["labels"]) / chosen.count(batch["labels"])).sum()
+        loss.backward()
+        gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return loss.detach(), gradient, our_metrics(chosen, model, batch, reference if inputs.get(
+            "reference_logps") is not None else None)
+
+    (padded_loss, padded_gradient, padded_metrics), (loss, gradient, metrics) = trained(padded), trained(packed)
+    assert loss.item() == pytest.approx(padded_loss.item(), abs=1e-6)
+    assert (gradient - padded_gradient).abs().max().item() < 1e-6
+    assert metrics.keys() == padded_metrics.keys()
+    for name, value in metrics.items():
+        assert value == pytest.approx(padded_metrics[name], abs=1e-5), name
+
+
 # ------------------------------------------------------------------------------------------- the reference model
 
 
@@ -320,13 +374,11 @@ def test_the_reference_of_a_lora_model_is_its_base_with_the_adapter_off_and_hold
     assert isinstance(reference, AdapterOff)
     assert not any(isinstance(value, torch.nn.Module) for value in vars(reference).values())
     base = AutoModelForCausalLM.from_pretrained(pretrained).eval()
-    from src.objectives.preference import answer_logps
+    from src.objectives.preference import model_answer_logps
 
     with torch.no_grad():
-        expected = answer_logps(base(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                                batch["labels"], -100)[0]
-        adapted = answer_logps(model.eval()(input_ids=batch["input_ids"],
-                                            attention_mask=batch["attention_mask"]).logits, batch["labels"], -100)[0]
+        expected = model_answer_logps(base, batch, batch["labels"], -100)[0]
+        adapted = model_answer_logps(model.eval(), batch, batch["labels"], -100)[0]
     model.train()
     got = reference(model, inputs, batch["labels"])
     assert model.training  # its mode is given back

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from src.data.jsonl import IGNORE_INDEX
+from src.data.base import IGNORE_INDEX
 from src.errors import UsageError
 
 

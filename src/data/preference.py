@@ -17,6 +17,14 @@ A batch of B pairs is TRL's concatenated form, so that both answers go through t
 the B chosen rows first, then the B rejected rows in the same order; labels are the answer's tokens (-100 on the
 prompt and the padding; shifted by the objective). `pair_index` names each pair (validation pairs after the
 training ones), which is how reference log-probabilities computed before training find their pair.
+
+Packed (`data.packing=true`, TRL's padding_free): the 2B rows go through the model packed, best fit, into rows of
+at most block_size tokens, each attending to itself only (`position_ids` restarting at 0, as packed documents);
+the labels keep the padded layout above, and `packed_at` says where each of their tokens sits in the packed
+input, so the objective reads every answer's log-probabilities back into that layout (src/objectives/
+preference.py). The model computes no padding, and a padded batch and a packed one train the same:
+
+    {"input_ids": (R, T), "position_ids": (R, T), "labels": (2B, T), "packed_at": (2B, T), "pair_index": (B,)}
 """
 
 import logging
@@ -26,6 +34,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import IGNORE_INDEX
+from src.data.packing import best_fit
 from src.errors import UsageError
 from src.schema.signature import Arg
 
@@ -182,3 +191,27 @@ def collate_pairs(samples: list[dict[str, torch.Tensor]], pad_id: int = 0) -> di
         batch["labels"][row, p:n] = answer
     batch["pair_index"] = torch.stack([s["pair_index"] for s in samples])
     return batch
+
+
+def pack_pairs(samples: list[dict[str, torch.Tensor]], block_size: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """collate_pairs' batch with its 2B rows packed, best fit, into rows of at most block_size tokens (as long as
+    the fullest of them: a shorter row's tail is padding, a row of its own, positions from 0, no target), and
+    `packed_at`: each padded position's place in the flattened packed input (padding points at 0, never read: its
+    labels are -100)."""
+    padded = collate_pairs(samples, pad_id)
+    lengths = padded.pop("attention_mask").sum(-1).tolist()
+    rows = best_fit(lengths, max(block_size, *lengths))
+    width = max(sum(lengths[answer] for answer in answers) for answers in rows)
+    packed = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
+              "position_ids": torch.arange(width).repeat(len(rows), 1)}
+    packed_at = torch.zeros_like(padded["input_ids"])
+    for row, answers in enumerate(rows):
+        start = 0
+        for answer in answers:
+            n = lengths[answer]
+            packed["input_ids"][row, start : start + n] = padded["input_ids"][answer, :n]
+            packed["position_ids"][row, start : start + n] = torch.arange(n)
+            packed_at[answer, :n] = torch.arange(row * width + start, row * width + start + n)
+            start += n
+        packed["position_ids"][row, start:] = torch.arange(width - start)
+    return {**packed, "labels": padded["labels"], "packed_at": packed_at, "pair_index": padded["pair_index"]}

@@ -39,16 +39,34 @@ from src.schema.signature import Arg
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
                 "logps/rejected")
 REFERENCE_FILE = "reference_logps.safetensors"
-NOT_MODEL_INPUTS = ("pair_index", "reference_logps")  # batch keys the objective reads, the model does not
+NOT_MODEL_INPUTS = ("pair_index", "reference_logps", "packed_at")  # batch keys the objective reads, the model not
 
 
-def answer_logps(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's summed log-probability of its answer tokens, and how many there are (position t predicts label
-    t+1), in fp32 whatever the autocast dtype."""
-    logits, labels = logits[:, :-1].float(), labels[:, 1:]
-    counted = labels != ignore_index
-    picked = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    return (picked * counted).sum(-1), counted.sum(-1)
+def next_token_logps(logits: torch.Tensor, inputs: Mapping) -> torch.Tensor:
+    """(2B, T-1): each row's log-probability of its token t+1 at position t, in fp32 whatever the autocast dtype,
+    in the padded layout of the labels: a packed batch's (data.packing=true, src/data/preference.py) read back
+    through `packed_at` (what a row's last token predicts there is the next row's, never counted)."""
+    logits, ids = logits[:, :-1].float(), inputs["input_ids"][:, 1:]
+    per_token = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    if "packed_at" not in inputs:
+        return per_token
+    return F.pad(per_token, (0, 1)).flatten()[inputs["packed_at"][:, :-1]]
+
+
+def answer_logps(token_logps: torch.Tensor, labels: torch.Tensor, ignore_index: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-probability of its answer tokens (the labels that are not ignored; a label is its
+    row's input token there), and how many there are."""
+    counted = labels[:, 1:] != ignore_index
+    return (token_logps * counted).sum(-1), counted.sum(-1)
+
+
+def model_answer_logps(model: torch.nn.Module, inputs: Mapping, labels: torch.Tensor, ignore_index: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's answer_logps of a batch of pairs, padded or packed, and its next_token_logps."""
+    token_logps = next_token_logps(call_model(model, {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}),
+                                   inputs)
+    return (*answer_logps(token_logps, labels, ignore_index), token_logps)
 
 
 def halves(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,10 +138,9 @@ class PreferenceObjective(Objective):
     # The pairs' numbers ----------------------------------------------------------------------------------------------
 
     def pairs(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The model's logits, and its per-row answer log-probabilities and token counts."""
-        logits = call_model(model, {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS})
-        logps, tokens = answer_logps(logits, targets, self.ignore_index)
-        return {"logps": logps, "tokens": tokens, "logits": logits, **{
+        """The model's per-row answer log-probabilities and token counts, and its per-token log-probabilities."""
+        logps, tokens, token_logps = model_answer_logps(model, inputs, targets, self.ignore_index)
+        return {"logps": logps, "tokens": tokens, "token_logps": token_logps, **{
             k: inputs[k] for k in ("reference_logps",) if k in inputs}}
 
     def metric_values(self, pairs: dict) -> list[torch.Tensor]:
@@ -262,10 +279,7 @@ class ORPO(PreferenceObjective):
         return (positions <= last)[:, 1:]
 
     def lm_losses(self, pairs: dict, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
-        chosen_logits, _ = halves(pairs["logits"])
-        ids = halves(inputs["input_ids"])[0][:, 1:]
-        per_token = F.cross_entropy(chosen_logits[:, :-1].float().transpose(1, 2), ids, reduction="none")
-        return (per_token * self.lm_counted(targets)).sum(-1)
+        return -(halves(pairs["token_logps"])[0] * self.lm_counted(targets)).sum(-1)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:

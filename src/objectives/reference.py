@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader
 
 from src.checkpointing.training_state import sharded as is_sharded
 from src.errors import UsageError
-from src.loop.batches import call_model, split_batch
-from src.objectives.preference import NOT_MODEL_INPUTS, REFERENCE_FILE, answer_logps
+from src.loop.batches import split_batch
+from src.objectives.preference import REFERENCE_FILE, model_answer_logps
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +69,6 @@ def evaluating(module: torch.nn.Module):
         module.train(was_training)
 
 
-def model_inputs(inputs: Mapping) -> dict:
-    return {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}
-
-
 class AdapterOff(Reference):
     """The model itself with its adapter switched off: the base weights, with no copy (TRL's default with peft)."""
 
@@ -82,7 +78,7 @@ class AdapterOff(Reference):
     def __call__(self, model, inputs, targets):
         inner = getattr(model, "module", model)  # DDP's wrapper; FSDP2 and a bare model are the module itself
         with evaluating(model), inner.disable_adapter():
-            return answer_logps(call_model(model, model_inputs(inputs)), targets, self.ignore_index)[0]
+            return model_answer_logps(model, inputs, targets, self.ignore_index)[0]
 
 
 class FrozenCopy(Reference):
@@ -94,7 +90,7 @@ class FrozenCopy(Reference):
 
     def __call__(self, model, inputs, targets):
         with torch.no_grad(), self.accelerator.autocast():  # the policy's precision; the copy was not prepared
-            return answer_logps(call_model(self.model, model_inputs(inputs)), targets, self.ignore_index)[0]
+            return model_answer_logps(self.model, inputs, targets, self.ignore_index)[0]
 
 
 def for_evaluation(accelerator: Accelerator, run_cfg, source: Path, ignore_index: int) -> Reference:
@@ -176,7 +172,7 @@ class Precomputed(Reference):
             for batch in loader:
                 inputs, targets = split_batch(batch, "labels")
                 with evaluating(model):
-                    logps = answer_logps(call_model(model, model_inputs(inputs)), targets, ignore_index)[0]
+                    logps = model_answer_logps(model, inputs, targets, ignore_index)[0]
                 index, logps = accelerator.gather_for_metrics((inputs["pair_index"], logps.float().view(2, -1).T))
                 table[index.cpu()] = logps.cpu()
         computed = int((~table.isnan().any(1)).sum())
