@@ -3,6 +3,7 @@
 import contextlib
 import getpass
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -266,6 +267,16 @@ def scalars(run_dir: Path, tag: str) -> dict[int, float]:
     steps = [e.step for e in events]
     assert len(steps) == len(set(steps)), f"duplicated steps for {tag}: {steps}"
     return {e.step: e.value for e in events}
+
+
+def short_pairs(path: Path) -> Path:
+    """The shipped preference pairs cut short (each prompt to its last 12 characters, each answer to the first 16
+    after its speaker's name), so that a batch's answers fit several to a block and packing them
+    (data.packing=true) has rows to fill."""
+    rows = [json.loads(line) for line in (ROOT / "data" / "shakespeare_pairs.jsonl").read_text().splitlines()]
+    path.write_text("".join(json.dumps({"prompt": row["prompt"][-12:], **{
+        answer: row[answer].split("\n", 1)[-1][:16] for answer in ("chosen", "rejected")}}) + "\n" for row in rows))
+    return path
 
 
 def exported_weights(run_dir: Path) -> dict:

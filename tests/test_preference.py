@@ -20,6 +20,7 @@ from tests.conftest import (
     refused,
     run,
     scalars,
+    short_pairs,
 )
 
 PAIRS_FILE = ROOT / "data" / "shakespeare_pairs.jsonl"
@@ -389,9 +390,9 @@ def test_the_reference_of_a_lora_model_is_its_base_with_the_adapter_off_and_hold
 # ------------------------------------------------------------------------------------------------- real runs
 
 
-def dpo_args(pretrained, run_dir, *extra) -> list[str]:
+def dpo_args(pretrained, run_dir, *extra, pairs: Path = PAIRS_FILE) -> list[str]:
     return ["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=64", "data=jsonl",
-            f"data.path={PAIRS_FILE}", "data.preference=true", "data.batch_size=8", "objective=dpo",
+            f"data.path={pairs}", "data.preference=true", "data.batch_size=8", "objective=dpo",
             "optimizer.lr=3e-3", "scheduler.warmup_steps=2", f"hydra.run.dir={run_dir}", *extra]
 
 
@@ -425,7 +426,8 @@ def test_dpo_on_lora_learns_the_preference_logs_trls_metrics_and_eval_scores_its
     assert scored["eval/loss"] == pytest.approx(scalars(run_dir, "eval/loss")[24], abs=1e-5)
 
 
-def test_pairs_without_their_columns_or_with_an_objective_for_documents_are_refused(tmp_path, pretrained):
+def test_pairs_without_their_columns_or_with_an_objective_or_packing_for_documents_are_refused(tmp_path, pretrained):
+    from src.data.hf_dataset import HFDataset
     from src.data.jsonl import JsonlData
     from src.errors import UsageError
 
@@ -437,6 +439,10 @@ def test_pairs_without_their_columns_or_with_an_objective_for_documents_are_refu
             "data.preference=true", "objective=causal_lm", "dpo")
     refused(run([*dpo_args(pretrained, tmp_path / "b"), "data.preference=false"], check=False),
             "data.preference=false", "objective=dpo", "data.preference=true")
+    with pytest.raises(UsageError, match="packs preference pairs only.*data=hf_dataset.*data.packing=true"):
+        JsonlData(block_size=16, packing=True)  # documents: data=hf_dataset packs them
+    with pytest.raises(UsageError, match="data.packing=cross_document is for documents.*padded.*packed"):
+        HFDataset(path=str(PAIRS_FILE), block_size=64, preference=True, packing="cross_document")
 
 
 def without_key_biases(run_dir: Path) -> dict:
@@ -462,27 +468,32 @@ ACROSS_LAYOUTS = 1e-4
 def test_dpo_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_with_its_precomputed_reference(
         tmp_path, pretrained):
     """Full fine-tuning against log-probabilities precomputed before the first step: 2 processes of 2 pairs
-    accumulating 2 train the weights (ACROSS_LAYOUTS) and log the metrics (<= 1e-5) of 1 process of 4 pairs
-    accumulating 2; a reference=copy run trains the same weights; a run killed after a checkpoint resumes bitwise,
-    reading the table it kept rather than computing it again."""
+    accumulating 2, packed (data.packing=true), train the weights (ACROSS_LAYOUTS) and log the metrics (<= 1e-5) of
+    1 process of 4 pairs accumulating 2, padded; a reference=copy run trains the same weights; a run killed after
+    a checkpoint resumes bitwise, reading the table it kept rather than computing it again."""
+    from src.data.jsonl import JsonlData
+
     common = ["trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.monitor=null", "trainer.eval_every=0",
               "trainer.gradient_accumulation_steps=2", "trainer.log_every=1"]
     one, two, copied, killed = (tmp_path / name for name in ("one", "two", "copy", "killed"))
+    pairs = short_pairs(tmp_path / "pairs.jsonl")
+    packed = JsonlData(block_size=64, path=str(pairs), tokenizer=str(pretrained), preference=True, packing=True)
+    assert packed.collate_fn([packed.train[0], packed.train[1]])["input_ids"].shape[0] < 4  # rows to fill
     precomputed = ["objective.reference=precomputed", *common]
-    run(dpo_args(pretrained, one, "data.batch_size=4", *precomputed))
-    run(dpo_args(pretrained, two, "data.batch_size=2", *precomputed), nproc=2)
-    run(dpo_args(pretrained, copied, "data.batch_size=4", "objective.reference=copy", *common))
+    run(dpo_args(pretrained, one, "data.batch_size=4", *precomputed, pairs=pairs))
+    run(dpo_args(pretrained, two, "data.batch_size=2", "data.packing=true", *precomputed, pairs=pairs), nproc=2)
+    run(dpo_args(pretrained, copied, "data.batch_size=4", "objective.reference=copy", *common, pairs=pairs))
     for name in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
         ones = scalars(one, f"train/{name}")  # a log-probability of -150 is stored to 1.5e-5 (TensorBoard's fp32)
         # At step 1 the policy is its reference: every pair a tie, whose sign (the accuracy) is rounding's.
         steps = [s for s in ones if s > 1 or name != "rewards/accuracies"]
         assert all(scalars(two, f"train/{name}")[s] == pytest.approx(ones[s], abs=1e-5, rel=1e-6) for s in steps), name
     assert max_abs_diff(without_key_biases(two), without_key_biases(one)) <= ACROSS_LAYOUTS
-    assert max_abs_diff(exported_weights(copied), exported_weights(one)) <= 1e-5
+    assert max_abs_diff(without_key_biases(copied), without_key_biases(one)) <= 1e-5
 
-    kill_when(dpo_args(pretrained, killed, "data.batch_size=4", *precomputed), 1,
+    kill_when(dpo_args(pretrained, killed, "data.batch_size=4", *precomputed, pairs=pairs), 1,
               ready=lambda: (killed / "checkpoints" / "step_00000003").is_dir())
-    resumed = run(dpo_args(pretrained, killed, "data.batch_size=4", *precomputed, "resume=auto")).stdout
+    resumed = run(dpo_args(pretrained, killed, "data.batch_size=4", *precomputed, "resume=auto", pairs=pairs)).stdout
     assert "objective.reference=precomputed: read" in resumed
     assert scalars(killed, "train/loss") == scalars(one, "train/loss")
     assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0

@@ -21,6 +21,7 @@ from tests.conftest import (
     refused,
     run,
     scalars,
+    short_pairs,
 )
 
 pytest.importorskip("datatrove")
@@ -376,10 +377,14 @@ def test_preference_pairs_survive_preparation_as_data_preference_tokenizes_them_
 def test_dpo_on_prepared_pairs_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_after_a_kill(
         tmp_path):
     """Pairs read from shards through the precomputed reference (its table indexed by each pair's number): 2
-    processes of 2 pairs accumulating 2 train the weights of 1 process of 4 (<= 1e-5); a run killed after a
-    checkpoint resumes bitwise, reading the table it kept."""
+    processes of 2 pairs accumulating 2, packed (data.packing=true), train the weights of 1 process of 4 padded
+    (<= 1e-5); a run killed after a checkpoint resumes bitwise, reading the table it kept."""
+    from src.data.shards import ShardData
+
     pairs = tmp_path / "pairs"
-    prepare(ROOT / "data" / "shakespeare_pairs.jsonl", pairs, "--preference", "--tasks", "2")
+    prepare(short_pairs(tmp_path / "pairs.jsonl"), pairs, "--preference", "--tasks", "2")
+    packed = ShardData(path=str(pairs), block_size=96, batch_size=2, preference=True, packing=True)
+    assert packed.collate_fn([packed.train[0], packed.train[1]])["input_ids"].shape[0] < 4  # rows to fill
     one, two, killed = (tmp_path / name for name in ("one", "two", "killed"))
 
     def dpo(run_dir: Path, *extra: str) -> list[str]:
@@ -389,7 +394,7 @@ def test_dpo_on_prepared_pairs_is_the_same_however_the_global_batch_is_split_and
                 f"hydra.run.dir={run_dir}", *extra]
 
     run(dpo(one, "data.batch_size=4"))
-    run(dpo(two, "data.batch_size=2"), nproc=2)
+    run(dpo(two, "data.batch_size=2", "data.packing=true"), nproc=2)
     ones = scalars(one, "train/loss")
     assert ones[1] == pytest.approx(math.log(2), abs=1e-6)  # the policy is its reference: each pair found its row
     assert len(ones) == 6 and all(scalars(two, "train/loss")[s] == pytest.approx(ones[s], abs=1e-6) for s in ones)
@@ -409,8 +414,8 @@ def test_prepared_pairs_and_documents_are_each_refused_where_the_other_is_expect
     prepare(ROOT / "data" / "shakespeare_pairs.jsonl", pairs, "--preference")
     with pytest.raises(UsageError, match="holds preference pairs.*data.preference=true"):
         ShardData(path=str(pairs), block_size=64, batch_size=2)
-    with pytest.raises(UsageError, match="data.packing.*preference"):
-        ShardData(path=str(pairs), block_size=64, batch_size=2, preference=True, packing=True)
+    with pytest.raises(UsageError, match="data.random_windows are for documents.*preference pairs"):
+        ShardData(path=str(pairs), block_size=64, batch_size=2, preference=True, random_windows=True)
     with pytest.raises(UsageError, match="holds documents.*--preference"):
         ShardData(path=str(speeches), block_size=64, batch_size=2, preference=True)
     refused(prepare(ROOT / "data" / "shakespeare_speeches.jsonl", tmp_path / "no", "--preference", check=False),

@@ -33,7 +33,7 @@ from src.data import preference
 from src.data.base import DataModule, model_size
 from src.data.jsonl import TOKENIZATION_RULE, pad_right, tokenized_documents, warn_untrained
 from src.data.packing import cross_document_blocks, packed_documents, packing_summary, pad_packed
-from src.data.preference import LongPairsArg, PreferenceFlag
+from src.data.preference import LongPairsArg, PreferenceFlag, pair_collator
 from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
 from src.launch.first_per_machine import local_main_first
@@ -95,7 +95,8 @@ class HFDataset(DataModule):
         packing: Annotated[Union[bool, Literal["cross_document"]], Arg(
             "true: whole documents packed into blocks of block_size, each attending to itself only (trains as "
             "padded documents do, with less padding); cross_document: documents end to end, cut at block edges, "
-            "attending across (pretraining on continuous text); false: one document per sample, padded")] = False,
+            "attending across (pretraining on continuous text); false: one document per sample, padded. With "
+            "preference: true packs each batch's answers (TRL's padding_free), false pads them")] = False,
         long_documents: Annotated[Literal["truncate", "split"], Arg(
             "with packing=true, a document longer than block_size is truncated to it (as unpacked) or split into "
             "documents of block_size")] = "truncate",
@@ -118,9 +119,9 @@ class HFDataset(DataModule):
         if long_documents == "split" and packing is not True:
             raise UsageError("data.long_documents=split is for data.packing=true (unpacked documents are truncated "
                              "to block_size; cross_document packing cuts every document at block edges)")
-        if preference and packing:
-            raise UsageError("data.packing is for documents; preference pairs (data.preference=true) are padded, "
-                             "each pair's answers side by side")
+        if preference and packing == "cross_document":
+            raise UsageError("data.packing=cross_document is for documents; preference pairs (data.preference=true) "
+                             "are padded (data.packing=false) or packed, each answer attending to itself (true)")
         self.attends_per_document = packing is True  # the model must read documents from position_ids
         self.codec = codec_for(tokenizer, revision=tokenizer_revision)
         # One process per machine loads (datasets converts files to Arrow) and maps, on num_proc processes,
@@ -138,6 +139,7 @@ class HFDataset(DataModule):
             workers = num_proc or min(len(os.sched_getaffinity(0)), 1 + len(train) // 10_000)
             if preference:
                 self._read_pairs(train, val, path, block_size, long_pairs, workers)
+                self.collate_fn = pair_collator(packing, block_size)
                 self.source_files = _source_files(source)
                 return
             train, val = (self._tokenized(d, text_column, prompt_column, block_size, packing, mask_boundaries,
@@ -251,7 +253,6 @@ class HFDataset(DataModule):
             splits.append(kept)
         self.train = preference.Pairs(splits[0])
         self.val = preference.Pairs(splits[1], first_index=len(splits[0]))
-        self.collate_fn = preference.collate_pairs
 
     @model_size
     def vocab_size(self) -> int:

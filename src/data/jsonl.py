@@ -153,14 +153,19 @@ class JsonlData(DataModule):
         val_fraction: Annotated[float, Arg("the last documents, as a fraction, validate", gt=0, lt=1)] = 0.1,
         preference: PreferenceFlag = False,
         long_pairs: LongPairsArg = "truncate",
+        packing: Annotated[bool, Arg("with preference: each batch's answers packed, each attending to itself only "
+                                     "(TRL's padding_free: trains as padded, with no padding computed)")] = False,
         **loader,
     ):
         super().__init__(**loader)
         file = readable_file(path, "data.path")
         self.source_files = {file.name: file}
         if preference:
-            self._read_pairs(file, block_size, tokenizer, tokenizer_revision, val_fraction, long_pairs)
+            self._read_pairs(file, block_size, tokenizer, tokenizer_revision, val_fraction, long_pairs, packing)
             return
+        if packing:
+            raise UsageError("data=jsonl packs preference pairs only (data.preference=true); documents are packed by "
+                             f"data=hf_dataset data.path={path} data.packing=true")
         texts, prompts = [], []
         for number, record in _records(file):
             for key, name in ((text_key, "data.text_key"), (prompt_key, "data.prompt_key")):
@@ -182,7 +187,7 @@ class JsonlData(DataModule):
         self.collate_fn = functools.partial(pad_right, pad_id=0)
 
     def _read_pairs(self, file, block_size: int, tokenizer: Optional[str], revision: Optional[str],
-                    val_fraction: float, long_pairs: LongPairs) -> None:
+                    val_fraction: float, long_pairs: LongPairs, packing: bool) -> None:
         rows = list(_records(file))
         for number, record in rows:
             preference.missing_columns(record, f"{file}:{number}")
@@ -200,7 +205,8 @@ class JsonlData(DataModule):
         split = {key: (ids[:-n_val], ids[-n_val:]) for key, ids in pairs.items()}
         self.train = preference.Pairs({key: ids[0] for key, ids in split.items()})
         self.val = preference.Pairs({key: ids[1] for key, ids in split.items()}, first_index=n - n_val)
-        self.collate_fn = preference.collate_pairs
+        self.collate_fn = preference.pair_collator(packing, block_size)
+        self.attends_per_document = packing  # packed answers: the model reads them from position_ids
 
     @model_size
     def vocab_size(self) -> int:

@@ -134,9 +134,10 @@ def attend_per_document(model: torch.nn.Module) -> None:
         else:
             base.register_forward_pre_hook(_no_cache_for_packed_documents, with_kwargs=True)
     if why:
-        raise UsageError(f"data.packing=true: {why}, so its tokens would attend across documents. Use "
-                         "data.packing=cross_document (documents end to end, attending across, as for pretraining "
-                         "on continuous text) or data.packing=false (one document per sample, padded)")
+        raise UsageError(f"data.packing=true: {why}, so its tokens would attend across documents (or packed "
+                         "answers). Use data.packing=false (one document or answer per row, padded), or for "
+                         "documents data.packing=cross_document (end to end, attending across, as for pretraining "
+                         "on continuous text)")
 
 
 def _no_cache_for_packed_documents(module: torch.nn.Module, args: tuple, kwargs: dict) -> Optional[tuple]:

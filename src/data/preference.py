@@ -27,6 +27,7 @@ preference.py). The model computes no padding, and a padded batch and a packed o
     {"input_ids": (R, T), "position_ids": (R, T), "labels": (2B, T), "packed_at": (2B, T), "pair_index": (B,)}
 """
 
+import functools
 import logging
 from typing import Annotated, Literal, Optional
 
@@ -191,6 +192,11 @@ def collate_pairs(samples: list[dict[str, torch.Tensor]], pad_id: int = 0) -> di
         batch["labels"][row, p:n] = answer
     batch["pair_index"] = torch.stack([s["pair_index"] for s in samples])
     return batch
+
+
+def pair_collator(packing, block_size: int):
+    """The batches of pairs data.packing asks for: packed (true) or padded."""
+    return functools.partial(pack_pairs, block_size=block_size) if packing is True else collate_pairs
 
 
 def pack_pairs(samples: list[dict[str, torch.Tensor]], block_size: int, pad_id: int = 0) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from src.data.base import model_size
 from src.data.jsonl import IGNORE_INDEX, pad_right
 from src.data.packing import best_fit, pad_packed, summary_line
-from src.data.preference import PAIR_RULE, LongPairs, LongPairsArg, collate_pairs, fitted, pair_sample, report
+from src.data.preference import PAIR_RULE, LongPairs, LongPairsArg, fitted, pair_collator, pair_sample, report
 from src.data.sampling import Permutation
 from src.data.text import TokenWindows, WindowStream, random_access_memmap
 from src.data.tokenizer import Codec
@@ -281,7 +281,8 @@ class ShardData(WindowStream):
         packing: Annotated[Union[bool, Literal["cross_document"]], Arg(
             "cross_document: windows of block_size across documents (pretraining); true: whole documents packed "
             "into blocks of block_size, each attending to itself only (trains as padded documents do); false: one "
-            "document per sample, padded")] = "cross_document",
+            "document per sample, padded. With preference: true packs each batch's answers (TRL's padding_free), "
+            "the others pad them")] = "cross_document",
         long_documents: Annotated[Literal["truncate", "split"], Arg(
             "with packing true or false, a document longer than block_size is truncated to it, or (packing=true) "
             "split into documents of block_size")] = "truncate",
@@ -349,9 +350,9 @@ class ShardData(WindowStream):
                                 if sample.startswith("preference pairs") else
                                 "not preference pairs: prepare the pairs with scripts/prepare_data.py SOURCE OUT "
                                 "--preference"))
-        if packing != "cross_document" or self.random_offset or self.random_windows:
-            raise UsageError("data.packing, data.random_offset and data.random_windows are for documents; preference "
-                             "pairs (data.preference=true) are padded, each pair's answers side by side")
+        if self.random_offset or self.random_windows:
+            raise UsageError("data.random_offset and data.random_windows are for documents; preference pairs "
+                             "(data.preference=true) are read whole, each pair's answers side by side")
         (train, _), (val, _) = (open_split(self.folder, self.manifest, split) for split in SPLITS)
         ends = {split: document_ends(self.folder, self.manifest, split) for split in SPLITS}
         self.train = PreparedPairs(train, ends["train"], self.block_size, long_pairs)
@@ -368,7 +369,8 @@ class ShardData(WindowStream):
                                  f"(data.long_pairs={long_pairs}: use truncate, or a larger block)")
             if PartialState().is_main_process:
                 report(pairs.counts, len(pairs), self.block_size, f"data.path={path}, {name}")
-        self.collate_fn = collate_pairs
+        self.collate_fn = pair_collator(packing, self.block_size)
+        self.attends_per_document = packing is True  # packed answers: the model reads them from position_ids
         self.codec = Codec.load(self.folder)
         self.source_files = self._files_read(("", ".index"))
 
