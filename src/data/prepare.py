@@ -208,8 +208,8 @@ def prepare(source: Source, out: Path, workers: int = 1, tasks: Optional[int] = 
     rows = source.rows()
     if source.preference:
         if pack_for:
-            raise UsageError("--pack-for is for documents (data.packing=true); preference pairs are padded, each "
-                             "pair's answers side by side")
+            raise UsageError("--pack-for saves the packing plan of documents; preference pairs need none (with "
+                             "data.packing=true each batch's answers are packed as it is read)")
         if len(rows) and isinstance(rows[0]["chosen"], list) and codec.chat is None:
             raise UsageError(f"--tokenizer {source.tokenizer}: {source.path} holds conversations, which need a "
                              "tokenizer with a chat template (tokenizer_config.json's chat_template)")

@@ -1,10 +1,11 @@
 """Preference objectives: DPO and its siblings on pairs of answers (`objective=dpo`, `simpo`, `orpo`).
 
 The data gives B pairs as 2B rows, chosen then rejected (src/data/preference.py), so both answers go through the
-model in one forward pass, as TRL does. Each row's log-probability is the sum of its answer tokens' (the labels
-that are not -100); the losses and the metrics are TRL's (DPOTrainer's loss_type sigmoid / ipo / hinge / robust,
-CPOTrainer's simpo, ORPOTrainer's), with TRL's names: rewards/chosen, rewards/rejected, rewards/accuracies,
-rewards/margins, logps/chosen, logps/rejected.
+model in one forward pass, as TRL does; packed (data.packing=true), the answers share the model's rows, and
+next_token_logps reads each one's back into the padded layout that everything after it sees. Each row's
+log-probability is the sum of its answer tokens' (the labels that are not -100); the losses and the metrics are
+TRL's (DPOTrainer's loss_type sigmoid / ipo / hinge / robust, CPOTrainer's simpo, ORPOTrainer's), with TRL's names:
+rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected.
 
 Exact over the global batch: as every objective here, these return sums and counts (src/objectives/base.py), so a
 step's loss is the mean over the pairs of the whole global batch however it is split into processes and
