@@ -270,12 +270,13 @@ def scalars(run_dir: Path, tag: str) -> dict[int, float]:
 
 
 def short_pairs(path: Path) -> Path:
-    """The shipped preference pairs cut short (each prompt to its last 12 characters, each answer to the first 16
-    after its speaker's name), so that a batch's answers fit several to a block and packing them
-    (data.packing=true) has rows to fill."""
+    """The shipped preference pairs cut short and unequal (each prompt to its last 12 characters, the answers to the
+    first 4, 16 or 28 after the speaker's name, pair by pair), so that a batch's answers fit several to a block and
+    packing them (data.packing=true) has rows to fill."""
     rows = [json.loads(line) for line in (ROOT / "data" / "shakespeare_pairs.jsonl").read_text().splitlines()]
     path.write_text("".join(json.dumps({"prompt": row["prompt"][-12:], **{
-        answer: row[answer].split("\n", 1)[-1][:16] for answer in ("chosen", "rejected")}}) + "\n" for row in rows))
+        answer: row[answer].split("\n", 1)[-1][:4 + 12 * (i % 3)] for answer in ("chosen", "rejected")}}) + "\n"
+        for i, row in enumerate(rows)))
     return path
 
 

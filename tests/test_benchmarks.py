@@ -106,7 +106,11 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
     (["preference", "--repeats", "1", "--steps", "6", "--layers", "1", "--width", "64", "--log-every", "2"],
      lambda r: r["lora: ours over trl, step time"] * r["full: ours over trl, step time"]
      * r["ours lora"]["peak_rss_gib"] * r["trl full"]["peak_rss_gib"]),
-], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data", "preference"])
+    (["preference", "--packing", "--repeats", "1", "--steps", "6", "--layers", "1", "--width", "64",
+      "--log-every", "2"],
+     lambda r: r["packed over padded, step time"] * (r["ours lora, padded"]["model_tokens_per_step"]
+                                                    > r["ours lora, packed"]["model_tokens_per_step"])),
+], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data", "preference", "preference-packing"])
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
     args = [*command, "--dir", str(tmp_path)] if command[0] in ("checkpoint", "scale") else command

@@ -384,7 +384,8 @@ def test_dpo_on_prepared_pairs_is_the_same_however_the_global_batch_is_split_and
     pairs = tmp_path / "pairs"
     prepare(short_pairs(tmp_path / "pairs.jsonl"), pairs, "--preference", "--tasks", "2")
     packed = ShardData(path=str(pairs), block_size=96, batch_size=2, preference=True, packing=True)
-    assert packed.collate_fn([packed.train[0], packed.train[1]])["input_ids"].shape[0] < 4  # rows to fill
+    assert any(packed.collate_fn([packed.train[i], packed.train[i + 1]])["input_ids"].shape[0] < 4  # rows to fill
+               for i in range(0, 8, 2))
     one, two, killed = (tmp_path / name for name in ("one", "two", "killed"))
 
     def dpo(run_dir: Path, *extra: str) -> list[str]:

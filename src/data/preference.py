@@ -200,14 +200,13 @@ def pair_collator(packing, block_size: int):
 
 
 def pack_pairs(samples: list[dict[str, torch.Tensor]], block_size: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """collate_pairs' batch with its 2B rows packed, best fit, into rows of at most block_size tokens (as long as
-    the fullest of them: a shorter row's tail is padding, a row of its own, positions from 0, no target), and
-    `packed_at`: each padded position's place in the flattened packed input (padding points at 0, never read: its
-    labels are -100)."""
+    """collate_pairs' batch with its 2B rows packed into rows of at most block_size tokens (narrowest_packing; a
+    row shorter than the widest ends in padding, a row of its own, positions from 0, no target), and `packed_at`:
+    each padded position's place in the flattened packed input (padding points at 0, never read: its labels are
+    -100)."""
     padded = collate_pairs(samples, pad_id)
     lengths = padded.pop("attention_mask").sum(-1).tolist()
-    rows = best_fit(lengths, max(block_size, *lengths))
-    width = max(sum(lengths[answer] for answer in answers) for answers in rows)
+    rows, width = narrowest_packing(lengths, block_size)
     packed = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
               "position_ids": torch.arange(width).repeat(len(rows), 1)}
     packed_at = torch.zeros_like(padded["input_ids"])
@@ -221,3 +220,19 @@ def pack_pairs(samples: list[dict[str, torch.Tensor]], block_size: int, pad_id: 
             start += n
         packed["position_ids"][row, start:] = torch.arange(width - start)
     return {**packed, "labels": padded["labels"], "packed_at": packed_at, "pair_index": padded["pair_index"]}
+
+
+def narrowest_packing(lengths: list[int], block_size: int) -> tuple[list[list[int]], int]:
+    """Rows of these lengths packed best fit into as few tokens as it finds (rows times the widest row's fill, the
+    narrower at a tie): tried at each width that would hold them in r rows split evenly, r = 1 .. all of them, up to
+    block_size. r = all is the longest row alone: the padded layout or better, so packing never computes more
+    than padding does. (Best fit at block_size alone leaves a ragged last row: scripts/BENCHMARKS.md.)"""
+    longest, total = max(lengths), sum(lengths)
+    widths = sorted({min(max(block_size, longest), max(longest, -(-total // r))) for r in range(1, len(lengths) + 1)})
+    best = None
+    for capacity in widths:
+        rows = best_fit(lengths, capacity)
+        width = max(sum(lengths[i] for i in row) for row in rows)
+        if best is None or (len(rows) * width, width) < (len(best[0]) * best[1], best[1]):
+            best = rows, width
+    return best
