@@ -11,6 +11,10 @@ median of train/step_time over the logged intervals after the first, its peak me
 peak. TRL's is DPOTrainer (peft_config for LoRA; its own reference copy without), timed per step by a callback
 (median after the first steps), its peak the process's resident peak (resource.getrusage), in a process of its
 own (`_trl_dpo`). The sides take turns (in_turn); medians over the repeats.
+
+With --packing it compares ours with itself instead: LoRA DPO on padded pairs against the same pairs packed
+(data.packing=true, TRL's padding_free), with the tokens the model computes per step on each (the batches' rows
+times their width, counted by collating the run's pairs as its loader does).
 """
 
 import json
@@ -37,11 +41,12 @@ def model_folder(directory: Path, layers: int, width: int) -> Path:
     return folder
 
 
-def ours(folder: Path, lora: bool, args) -> dict:
+def ours(folder: Path, lora: bool, args, packing: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         run(["accelerate", "launch", "--num_processes", "1", "train.py", "model=hf_causal_lm",
              f"model.pretrained={folder}", "model.block_size=256", "data=jsonl", f"data.path={PAIRS}",
-             "data.preference=true", f"data.batch_size={args.batch}", "objective=dpo",
+             "data.preference=true", f"data.packing={str(packing).lower()}", f"data.batch_size={args.batch}",
+             "objective=dpo",
              *([f"model.peft={{peft_type: LORA, r: 8, lora_alpha: 16, target_modules: {LORA_TARGETS}}}"] if lora
                else ["objective.reference=copy"]),
              f"model.gradient_checkpointing={str(args.checkpointing).lower()}",
@@ -98,7 +103,42 @@ def trl_dpo(args) -> None:
                       "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 
 
+def tokens_per_step(folder: Path, batch: int, packing: bool) -> tuple[float, float]:
+    """(the tokens the model computes per step: rows times width, padding included; the pairs' own tokens: each
+    prompt twice, with each answer), averaged over one epoch's batches."""
+    from src.data.jsonl import JsonlData
+
+    data = JsonlData(block_size=256, path=str(PAIRS), tokenizer=str(folder), preference=True, packing=packing)
+    pairs = [data.train[i] for i in range(len(data.train))]
+    batches = [pairs[i:i + batch] for i in range(0, len(pairs), batch)]
+    computed = [data.collate_fn(b)["input_ids"].numel() for b in batches]
+    own = [sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in b) for b in batches]
+    return sum(computed) / len(batches), sum(own) / len(batches)
+
+
+def packed_against_padded(args) -> dict:
+    sides = {"padded": [], "packed": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = model_folder(Path(tmp), args.layers, args.width)
+        for repeat in range(args.repeats):
+            in_turn(repeat, *(lambda side=side: sides[side].append(ours(folder, True, args, side == "packed"))
+                              for side in sides))
+        tokens = {side: tokens_per_step(folder, args.batch, side == "packed") for side in sides}
+    report = {f"ours lora, {side}": {**{key: round(median(r[key] for r in runs), 3) for key in runs[0]},
+                                     "model_tokens_per_step": round(tokens[side][0]),
+                                     "padding_share": round(1 - tokens[side][1] / tokens[side][0], 3)}
+              for side, runs in sides.items()}
+    report["packed over padded, step time"] = round(report["ours lora, packed"]["ms_per_step"]
+                                                    / report["ours lora, padded"]["ms_per_step"], 2)
+    report["setup"] = {"layers": args.layers, "width": args.width, "batch_pairs": args.batch, "steps": args.steps,
+                       "block_size": 256, "processes": 1, "precision": "fp32",
+                       "activation_checkpointing": args.checkpointing}
+    return report
+
+
 def preference(args) -> dict:
+    if args.packing:
+        return packed_against_padded(args)
     sides = {f"{who} {how}": [] for how in ("lora", "full") for who in ("ours", "trl")}
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(Path(tmp), args.layers, args.width)
@@ -125,6 +165,7 @@ def add_commands(commands) -> dict:
     c.add_argument("--lr", type=float, default=1e-4)
     c.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing on both sides (TRL's default; model.gradient_checkpointing)")
+    c.add_argument("--packing", action="store_true", help="ours on padded pairs against the same pairs packed")
     w = commands.add_parser("_trl_dpo")
     w.add_argument("folder")
     for name, kind in (("--batch", int), ("--steps", int), ("--lr", float)):

@@ -154,7 +154,7 @@ class JsonlData(DataModule):
         preference: PreferenceFlag = False,
         long_pairs: LongPairsArg = "truncate",
         packing: Annotated[bool, Arg("with preference: each batch's answers packed, each attending to itself only "
-                                     "(TRL's padding_free: trains as padded, with no padding computed)")] = False,
+                                     "(TRL's padding_free: trains as padded, with little padding computed)")] = False,
         **loader,
     ):
         super().__init__(**loader)

@@ -22,7 +22,7 @@ Packed (`data.packing=true`, TRL's padding_free): the 2B rows go through the mod
 at most block_size tokens, each attending to itself only (`position_ids` restarting at 0, as packed documents);
 the labels keep the padded layout above, and `packed_at` says where each of their tokens sits in the packed
 input, so the objective reads every answer's log-probabilities back into that layout (src/objectives/
-preference.py). The model computes no padding, and a padded batch and a packed one train the same:
+preference.py). The model computes little padding, and a padded batch and a packed one train the same:
 
     {"input_ids": (R, T), "position_ids": (R, T), "labels": (2B, T), "packed_at": (2B, T), "pair_index": (B,)}
 """
