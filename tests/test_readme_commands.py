@@ -201,8 +201,8 @@ NOT_RUN = {
     "python scripts/prepare_data.py data/shakespeare_pairs.jsonl data/pairs_shards --preference --tokenizer "
     "outputs/sft/model --workers 2 --val-fraction 0.1": PREFERENCE_WALKTHROUGH,
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/sft/model model.block_size=128 "
-    "data=shards data.path=data/pairs_shards data.preference=true objective=dpo 'model.peft={peft_type: LORA, r: 8, "
-    "lora_alpha: 16, target_modules: [c_attn]}' data.batch_size=16 optimizer.lr=1e-3 trainer.max_steps=60 "
+    "data=shards data.path=data/pairs_shards data.preference=true data.packing=true objective=dpo "
+    "'model.peft={peft_type: LORA, r: 8, lora_alpha: 16, target_modules: [c_attn]}' data.batch_size=16 optimizer.lr=1e-3 trainer.max_steps=60 "
     "trainer.eval_every=20 trainer.eval_on_start=true hydra.run.dir=outputs/dpo_shards": PREFERENCE_WALKTHROUGH,
     "accelerate launch train.py model=hf_causal_lm model.pretrained=/models/gpt2 'model.peft={peft_type: LORA, r: 8, "
     "lora_alpha: 16, target_modules: [c_attn]}'": "needs a downloaded model; tests/test_finetune.py trains LoRA on a "
