@@ -523,18 +523,20 @@ def test_dpo_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_w
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft, not ours
 def test_dpo_under_fsdp_trains_the_weights_of_one_process_with_lora_s_base_or_precomputed_log_probabilities(
         tmp_path, pretrained):
-    """FSDP2 (2 processes of 2 pairs accumulating 2) against 1 process of 4 pairs accumulating 2: with LoRA the
-    reference is the sharded model with its adapter off; without, it defaults to the starting weights'
-    log-probabilities, computed sharded before the first step, since a copy would be whole on every rank."""
+    """FSDP2 (2 processes of 2 pairs accumulating 2, packed) against 1 process of 4 pairs accumulating 2, padded:
+    with LoRA the reference is the sharded model with its adapter off; without, it defaults to the starting
+    weights' log-probabilities, computed sharded before the first step, since a copy would be whole on every rank."""
     from tests.test_fsdp import FSDP_ON_CPU
 
     common = ["trainer.max_steps=4", "trainer.monitor=null", "trainer.eval_every=0",
               "trainer.gradient_accumulation_steps=2"]
+    pairs = short_pairs(tmp_path / "pairs.jsonl")
     for name, extra in (("lora", [LORA]), ("full", [])):
         one, sharded = tmp_path / f"{name}_one", tmp_path / f"{name}_fsdp"
         run(dpo_args(pretrained, one, "data.batch_size=4", *common, *extra,
-                     *([] if extra else ["objective.reference=precomputed"])))
-        log = run(dpo_args(pretrained, sharded, "data.batch_size=2", *common, *extra), nproc=2, **FSDP_ON_CPU).stdout
+                     *([] if extra else ["objective.reference=precomputed"]), pairs=pairs))
+        log = run(dpo_args(pretrained, sharded, "data.batch_size=2", "data.packing=true", *common, *extra,
+                           pairs=pairs), nproc=2, **FSDP_ON_CPU).stdout
         assert f"objective.reference={'adapter' if extra else 'precomputed'}" in log
         assert max_abs_diff(without_key_biases(sharded), without_key_biases(one)) <= ACROSS_LAYOUTS, name
     proc = run(dpo_args(pretrained, tmp_path / "copy", "objective.reference=copy", *common), nproc=2, check=False,
