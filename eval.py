@@ -56,7 +56,7 @@ def main(cfg: DictConfig) -> None:
     val_loader = accelerator.prepare_data_loader(data.val_dataloader(cfg.eval_batches))
 
     if getattr(objective, "reference_kind", None):  # objective=dpo: the run's reference model
-        objective.reference = reference_for_evaluation(accelerator, run_cfg, source, objective.ignore_index)
+        objective.reference = reference_for_evaluation(accelerator, run_cfg, source, objective)
     forward = Forward(objective, compile=False)
     metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, forward).items()}
     if accelerator.is_main_process:

@@ -272,11 +272,12 @@ def scalars(run_dir: Path, tag: str) -> dict[int, float]:
 def short_pairs(path: Path) -> Path:
     """The shipped preference pairs cut short and unequal (each prompt to its last 12 characters, the answers to the
     first 4, 16 or 28 after the speaker's name, pair by pair), so that a batch's answers fit several to a block and
-    packing them (data.packing=true) has rows to fill."""
+    packing them (data.packing=true) has rows to fill. Pairs whose answers are cut to the same text are left out:
+    their reward margin is zero but for rounding, so which answer wins (rewards/accuracies) would be rounding's."""
     rows = [json.loads(line) for line in (ROOT / "data" / "shakespeare_pairs.jsonl").read_text().splitlines()]
-    path.write_text("".join(json.dumps({"prompt": row["prompt"][-12:], **{
-        answer: row[answer].split("\n", 1)[-1][:4 + 12 * (i % 3)] for answer in ("chosen", "rejected")}}) + "\n"
-        for i, row in enumerate(rows)))
+    cut = [{"prompt": row["prompt"][-12:], **{answer: row[answer].split("\n", 1)[-1][:4 + 12 * (i % 3)]
+                                              for answer in ("chosen", "rejected")}} for i, row in enumerate(rows)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in cut if row["chosen"] != row["rejected"]))
     return path
 
 

@@ -2,16 +2,20 @@
 and so do its gradients, for the template's GPT and transformers models (with LoRA too); a model that changes its
 logits after the output layer is refused. Under DDP and FSDP2 (real launches): the same training."""
 
+import contextlib
 from typing import Optional
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from src.errors import UsageError
 from src.loop.forward import Forward
 from src.models.gpt import GPT
+from src.objectives.chunked import CHECKED_TOKENS, output_layer
 from src.objectives.classification import CausalLM, CrossEntropy
 from tests.conftest import QUIET, TINY_GPT, run, scalars
+from tests.test_preference import pairs_and_model, preference_objective, started
 
 VOCAB = 97
 
@@ -175,3 +179,115 @@ def test_a_transformers_model_under_fsdp2_trains_the_plain_losses_with_chunked_l
     expected, got = scalars(plain, "train/loss"), scalars(chunked, "train/loss")
     assert sorted(got) == [1, 2, 3]
     assert max(abs(got[s] - expected[s]) for s in got) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------ preference objectives
+
+
+def trained_and_evaluated(forward, model, inputs, labels):
+    """A micro-step's loss (each term over its count) and gradients, and the evaluation metrics of the batch."""
+    model.zero_grad()
+    loss = (forward.loss_sum(model, inputs, labels) / forward.objective.count(labels)).sum()
+    loss.backward()
+    gradients = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    inputs = {k: v.clone() for k, v in inputs.items()}  # as an evaluation's batch: evaluation marks its sizes dynamic
+    with torch.no_grad():
+        metrics = {name: (v.sum() / w.sum()).item() for name, (v, w) in forward.metrics(model, inputs, labels).items()}
+    return loss.detach(), gradients, metrics
+
+
+@contextlib.contextmanager
+def whole_logits_seen(vocab_size: int):
+    """The modules (any model's) that output logits of more tokens than the start-up check's prefix while it is
+    open: the output layers and models that computed a batch's logits."""
+    seen = []
+
+    def record(module, args, output):
+        logits = getattr(output, "logits", output)
+        if isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[-1] == vocab_size \
+                and logits.shape[:-1].numel() > CHECKED_TOKENS:
+            seen.append((type(module).__name__, tuple(logits.shape)))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("model_kind", ["gpt", "gpt2_lora"])
+@pytest.mark.parametrize("objective", ["dpo", "simpo", "orpo"])
+def test_chunked_answer_log_probabilities_train_and_evaluate_as_the_whole_logits_do(objective, model_kind, packing,
+                                                                                     pretrained, tmp_path):
+    """objective.chunk_tokens with preference pairs: every answer token's log-probability computed by the output
+    layer 7 positions at a time (the reference's too: a frozen copy of the GPT, or the LoRA model with its adapter
+    off) gives the loss, the gradients and every metric of the whole logits, padded or packed."""
+    model, inputs, labels = pairs_and_model(model_kind, packing, pretrained)
+    plain, chunked = (started(preference_objective(objective, chunk_tokens=chunk), model, tmp_path)
+                      for chunk in (None, 7))
+    if model_kind == "gpt":  # the policy moves away from the reference copies taken at start
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(1.1)
+    expected_loss, expected_gradients, expected_metrics = trained_and_evaluated(Forward(plain, False), model, inputs,
+                                                                               labels)
+    with whole_logits_seen(output_layer(model).out_features) as seen:
+        loss, gradients, metrics = trained_and_evaluated(Forward(chunked, False), model, inputs, labels)
+    assert not seen, seen  # neither the policy's nor the reference's pass held a batch's logits
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-6)
+    assert gradients.keys() == expected_gradients.keys() and gradients
+    for name in gradients:
+        torch.testing.assert_close(gradients[name], expected_gradients[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert metrics.keys() == expected_metrics.keys()
+    for name in metrics:
+        assert metrics[name] == pytest.approx(expected_metrics[name], abs=1e-5), name
+    layer = output_layer(model)
+    hidden = torch.randn(2, layer.in_features)
+    torch.testing.assert_close(layer(hidden), F.linear(hidden, layer.weight, layer.bias))  # logits outside a step
+
+
+@pytest.mark.slow  # compilation (the suite's time); CI runs it
+def test_chunked_answer_log_probabilities_compile_to_the_same_loss_and_gradients(pretrained, tmp_path):
+    """trainer.compile=true: the output layer switched inside the compiled step (the policy's pass) and outside it
+    (the reference's); a second micro-batch (the pairs with their answers swapped) gives its own numbers, not the
+    traced ones."""
+    model, inputs, labels = pairs_and_model("gpt", False, pretrained)
+    plain, chunked = (started(preference_objective("dpo", chunk_tokens=chunk), model, tmp_path)
+                      for chunk in (None, 7))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.1)
+    compiled = Forward(chunked, compile=True)
+    swapped = torch.arange(labels.shape[0]).roll(labels.shape[0] // 2)  # rejected rows first
+    for rows in (slice(None), swapped):
+        batch = {k: v[rows] if v.dim() == 2 else v for k, v in inputs.items()}
+        expected = trained_and_evaluated(Forward(plain, False), model, batch, labels[rows])
+        got = trained_and_evaluated(compiled, model, batch, labels[rows])
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+        for name in got[1]:
+            torch.testing.assert_close(got[1][name], expected[1][name], rtol=1e-5, atol=1e-6, msg=name)
+        assert got[2] == pytest.approx(expected[2], rel=1e-6, abs=1e-5)
+
+
+def test_a_model_that_changes_its_logits_after_the_output_layer_is_refused_with_preference_pairs(pretrained):
+    from src.objectives.preference import SimPO
+
+    model = tiny_llama()
+    plain_forward = type(model).forward
+
+    class ScalesItsLogits(type(model)):
+        def forward(self, *args, **kwargs):
+            out = plain_forward(self, *args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    model.__class__ = ScalesItsLogits
+    ids = torch.randint(0, VOCAB, (4, 24))
+    labels = ids.clone()
+    labels[:, :10] = -100
+    inputs = {"input_ids": ids, "pair_index": torch.arange(2)}
+    with pytest.raises(UsageError, match="objective.chunk_tokens: .*changes its logits") as refused:
+        Forward(SimPO(chunk_tokens=8), compile=False).loss_sum(model, inputs, labels)
+    assert "objective.chunk_tokens=null" in str(refused.value)
+    Forward(SimPO(), compile=False).loss_sum(model, inputs, labels)  # as suggested

@@ -112,16 +112,19 @@ def test_telemetry_reports_cuda_memory_nvml_state_and_mfu_of_the_gpus_the_run_se
     assert json.loads((run_dir / "summary.json").read_text())["peak_memory_gib"]["cuda"] > 0
 
 
-def test_the_chunked_loss_lowers_a_cuda_micro_steps_peak_memory_and_keeps_its_loss(tmp_path):
+@pytest.mark.parametrize("objective", ["causal_lm", "dpo"])
+def test_the_chunked_loss_lowers_a_cuda_micro_steps_peak_memory_and_keeps_its_loss(tmp_path, objective):
     """objective.chunk_tokens on the GPU, through scripts/benchmark.py loss-memory (CUDA's allocator peaks): the
-    whole logits of a 128k vocabulary are never held, and the loss is the plain one within float rounding."""
+    whole logits of a 128k vocabulary are never held, and the loss is the plain one within float rounding; for DPO,
+    the answers' log-probabilities of the policy and of its reference copy."""
     import subprocess
     import sys
 
     from tests.conftest import ROOT
 
-    done = subprocess.run([sys.executable, "scripts/benchmark.py", "loss-memory", "--device", "cuda"], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, **GPU_ENV}, check=True)
+    done = subprocess.run([sys.executable, "scripts/benchmark.py", "loss-memory", "--device", "cuda", "--objective",
+                           objective], cwd=ROOT, capture_output=True, text=True, env={**os.environ, **GPU_ENV},
+                          check=True)
     report = json.loads(done.stdout)
     assert report["peak_ratio_plain_over_chunked"] >= 2, report
     assert report["loss_difference"] <= 1e-6 * abs(report["chunk_tokens=null"]["loss"]), report

@@ -93,6 +93,52 @@ def assert_same(ours: dict, theirs: dict, names) -> None:
         assert ours[name] == pytest.approx(theirs[name], abs=1e-5), (name, ours[name], theirs[name])
 
 
+def pairs_and_model(model_kind: str, packing: bool, pretrained):
+    """Six of the shipped pairs, padded or packed (data.packing=true), and a model for them: the template's tied GPT
+    or a transformers GPT-2 with a LoRA adapter that has moved (so that DPO's adapter-off reference differs)."""
+    from src.data.packing import attend_per_document
+    from src.data.preference import Pairs, collate_pairs, pack_pairs, tokenized_pairs
+    from src.data.tokenizer import codec_for
+
+    codec = codec_for(str(pretrained))
+    rows = shipped_pairs(6, codec)
+    samples = list(Pairs(tokenized_pairs(codec, {k: [row[k] for row in rows] for k in rows[0]}, 64, "truncate")[0]))
+    batch = pack_pairs(samples, block_size=256) if packing else collate_pairs(samples)
+    torch.manual_seed(0)
+    if model_kind == "gpt":
+        from src.models.gpt import GPT
+
+        model = GPT(vocab_size=codec.vocab_size, block_size=256, n_layer=2, n_head=2, n_embd=32)
+    else:
+        peft = pytest.importorskip("peft")
+        from transformers import AutoModelForCausalLM
+
+        model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(pretrained),
+                                    peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"]))
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0, 0.1)
+    if packing:
+        attend_per_document(model)
+    labels = batch.pop("labels")
+    return model.eval(), batch, labels  # eval: no dropout, so that both sides see the same model
+
+
+def preference_objective(name: str, **settings):
+    from src.objectives.preference import DPO, ORPO, SimPO
+
+    return {"dpo": lambda: DPO(**settings), "simpo": lambda: SimPO(sft_weight=0.5, **settings),
+            "orpo": lambda: ORPO(**settings)}[name]()
+
+
+def started(objective, model, tmp_path):
+    from accelerate import Accelerator
+
+    objective.start(Accelerator(cpu=True), model, None, tmp_path, None)  # DPO: its reference (copy, or adapter off)
+    return objective
+
+
 # ---------------------------------------------------------------------------------------------------- tokenization
 
 
@@ -196,7 +242,7 @@ def test_dpo_loss_and_metrics_equal_trls_dpo_trainer(loss_type, pretrained, tmp_
         train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows))
     theirs = trl_metrics(trainer)
     ours = our_metrics(DPO(**settings, reference="copy"), policy, batch_of(codec, rows),
-                       FrozenCopy(Accelerator(cpu=True), reference, -100))
+                       FrozenCopy(Accelerator(cpu=True), reference, DPO()))
     assert theirs["rewards/margins"] != 0
     assert_same(ours, theirs, ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                                "logps/chosen", "logps/rejected"])
@@ -264,7 +310,7 @@ def test_a_steps_loss_and_gradient_are_the_same_however_the_global_batch_is_spli
     model = AutoModelForCausalLM.from_pretrained(pretrained)
     chosen = {"dpo": lambda: DPO(reference="copy"), "simpo": lambda: SimPO(sft_weight=0.5),
               "orpo": lambda: ORPO()}[objective]()
-    reference = FrozenCopy(Accelerator(cpu=True), AutoModelForCausalLM.from_pretrained(pretrained), -100)
+    reference = FrozenCopy(Accelerator(cpu=True), AutoModelForCausalLM.from_pretrained(pretrained), DPO())
     if objective == "dpo":  # a reference unlike the policy, so that the loss is not log 2 everywhere
         with torch.no_grad():
             for parameter in reference.model.parameters():
@@ -343,7 +389,7 @@ def test_packed_pairs_train_and_evaluate_as_the_same_pairs_padded(objective, mod
     attend_per_document(model)
     chosen = {"dpo": lambda: DPO(reference="copy"), "dpo_ipo": lambda: DPO(loss_type="ipo", reference="copy"),
               "simpo": lambda: SimPO(sft_weight=0.5), "orpo": lambda: ORPO()}[objective]()
-    reference = FrozenCopy(Accelerator(cpu=True), model, -100)
+    reference = FrozenCopy(Accelerator(cpu=True), model, chosen)
     with torch.no_grad():  # a reference unlike the policy, so that the loss is not log 2 everywhere
         for parameter in reference.model.parameters():
             parameter.mul_(0.9)
@@ -378,6 +424,7 @@ def test_the_reference_of_a_lora_model_is_its_base_with_the_adapter_off_and_hold
     from transformers import AutoModelForCausalLM
 
     from src.data.tokenizer import codec_for
+    from src.objectives.preference import DPO
     from src.objectives.reference import AdapterOff, Reference
 
     codec = codec_for(str(pretrained))
@@ -390,7 +437,7 @@ def test_the_reference_of_a_lora_model_is_its_base_with_the_adapter_off_and_hold
             if "lora_B" in name:
                 parameter.normal_()
     model.train()
-    reference = Reference.build("auto", Accelerator(cpu=True), model, None, Path("unused"), None, -100)
+    reference = Reference.build("auto", Accelerator(cpu=True), model, None, Path("unused"), None, DPO())
     assert isinstance(reference, AdapterOff)
     assert not any(isinstance(value, torch.nn.Module) for value in vars(reference).values())
     base = AutoModelForCausalLM.from_pretrained(pretrained).eval()
@@ -487,9 +534,10 @@ ACROSS_LAYOUTS = 1e-4
 def test_dpo_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_with_its_precomputed_reference(
         tmp_path, pretrained):
     """Full fine-tuning against log-probabilities precomputed before the first step: 2 processes of 2 pairs
-    accumulating 2, packed (data.packing=true), train the weights (ACROSS_LAYOUTS) and log the metrics (<= 1e-5) of
-    1 process of 4 pairs accumulating 2, padded; a reference=copy run trains the same weights; a run killed after
-    a checkpoint resumes bitwise, reading the table it kept rather than computing it again."""
+    accumulating 2, packed (data.packing=true) and chunked through the output layer (objective.chunk_tokens), train
+    the weights (ACROSS_LAYOUTS) and log the metrics (<= 1e-5) of 1 process of 4 pairs accumulating 2, padded;
+    a reference=copy run trains the same weights; a run killed after a checkpoint resumes bitwise, reading the
+    table it kept rather than computing it again."""
     from src.data.jsonl import JsonlData
 
     common = ["trainer.max_steps=6", "trainer.checkpoint_every=3", "trainer.monitor=null", "trainer.eval_every=0",
@@ -501,7 +549,8 @@ def test_dpo_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_w
                for i in range(0, 8, 2))
     precomputed = ["objective.reference=precomputed", *common]
     run(dpo_args(pretrained, one, "data.batch_size=4", *precomputed, pairs=pairs))
-    run(dpo_args(pretrained, two, "data.batch_size=2", "data.packing=true", *precomputed, pairs=pairs), nproc=2)
+    run(dpo_args(pretrained, two, "data.batch_size=2", "data.packing=true", "objective.chunk_tokens=13", *precomputed,
+                 pairs=pairs), nproc=2)
     run(dpo_args(pretrained, copied, "data.batch_size=4", "objective.reference=copy", *common, pairs=pairs))
     for name in ("loss", "rewards/margins", "rewards/accuracies", "logps/chosen"):
         ones = scalars(one, f"train/{name}")  # a log-probability of -150 is stored to 1.5e-5 (TensorBoard's fp32)
@@ -523,7 +572,8 @@ def test_dpo_is_the_same_however_the_global_batch_is_split_and_resumes_bitwise_w
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft, not ours
 def test_dpo_under_fsdp_trains_the_weights_of_one_process_with_lora_s_base_or_precomputed_log_probabilities(
         tmp_path, pretrained):
-    """FSDP2 (2 processes of 2 pairs accumulating 2, packed) against 1 process of 4 pairs accumulating 2, padded:
+    """FSDP2 (2 processes of 2 pairs accumulating 2, packed, chunked through the sharded output layer) against 1
+    process of 4 pairs accumulating 2, padded, at once:
     with LoRA the reference is the sharded model with its adapter off; without, it defaults to the starting
     weights' log-probabilities, computed sharded before the first step, since a copy would be whole on every rank."""
     from tests.test_fsdp import FSDP_ON_CPU
@@ -535,8 +585,8 @@ def test_dpo_under_fsdp_trains_the_weights_of_one_process_with_lora_s_base_or_pr
         one, sharded = tmp_path / f"{name}_one", tmp_path / f"{name}_fsdp"
         run(dpo_args(pretrained, one, "data.batch_size=4", *common, *extra,
                      *([] if extra else ["objective.reference=precomputed"]), pairs=pairs))
-        log = run(dpo_args(pretrained, sharded, "data.batch_size=2", "data.packing=true", *common, *extra,
-                           pairs=pairs), nproc=2, **FSDP_ON_CPU).stdout
+        log = run(dpo_args(pretrained, sharded, "data.batch_size=2", "data.packing=true", "objective.chunk_tokens=13",
+                           *common, *extra, pairs=pairs), nproc=2, **FSDP_ON_CPU).stdout
         assert f"objective.reference={'adapter' if extra else 'precomputed'}" in log
         assert max_abs_diff(without_key_biases(sharded), without_key_biases(one)) <= ACROSS_LAYOUTS, name
     proc = run(dpo_args(pretrained, tmp_path / "copy", "objective.reference=copy", *common), nproc=2, check=False,

@@ -1,6 +1,8 @@
 """loss-memory: the peak memory of one training micro-step (forward, loss, backward) and of one evaluation batch
 (loss and accuracy per sample, no gradient) at a large vocabulary, with the loss computed at once against
-objective.chunk_tokens (src/objectives/chunked.py).
+objective.chunk_tokens (src/objectives/chunked.py). --objective dpo measures DPO on pairs instead (the batch's rows
+are B/2 pairs, each answer the second half of its row), whose answers' log-probabilities the output layer computes
+in chunks, the reference's (a frozen copy) too.
 
 Both sides run the template's own Forward on the same GPT (tied output layer), batch and targets, each in a fresh
 process: one warm-up step (so the gradients exist), then the peak is reset and one more step measured. On CPU the
@@ -21,7 +23,7 @@ def loss_memory(args) -> dict:
     for chunk in (0, args.chunk_tokens):
         done = subprocess.run([sys.executable, str(BENCHMARK), "_loss_memory", "--vocab", str(args.vocab),
                                "--tokens", str(args.tokens), "--batch", str(args.batch), "--n-embd", str(args.n_embd),
-                               "--chunk-tokens", str(chunk), "--device", args.device],
+                               "--chunk-tokens", str(chunk), "--device", args.device, "--objective", args.objective],
                               cwd=ROOT, capture_output=True, text=True, check=True)
         sides["chunk_tokens=" + (str(chunk) if chunk else "null")] = json.loads(done.stdout.splitlines()[-1])
     plain, chunked = sides.values()
@@ -42,7 +44,18 @@ def _worker(args) -> None:
     model = GPT(vocab_size=args.vocab, block_size=args.tokens, n_layer=2, n_head=4, n_embd=args.n_embd).to(device)
     x = torch.randint(0, args.vocab, (args.batch, args.tokens), device=device)
     y = torch.randint(0, args.vocab, (args.batch, args.tokens), device=device)
-    forward = Forward(CrossEntropy(chunk_tokens=args.chunk_tokens or None), compile=False)
+    if args.objective == "causal_lm":
+        forward = Forward(CrossEntropy(chunk_tokens=args.chunk_tokens or None), compile=False)
+    else:  # rows: chosen answers then rejected ones, each after a prompt of half the row that counts for nothing
+        from accelerate import Accelerator
+
+        from src.objectives.preference import DPO
+
+        objective = DPO(reference="copy", chunk_tokens=args.chunk_tokens or None)
+        objective.start(Accelerator(cpu=device.type == "cpu"), model, None, None, None)
+        x, y = {"input_ids": x, "pair_index": torch.arange(args.batch // 2, device=device)}, x.clone()
+        y[:, :args.tokens // 2] = -100
+        forward = Forward(objective, compile=False)
     forward.loss_sum(model, x, y).backward()  # the gradients exist from here on, as in training
     before = held(device)
     reset_peak(device)
@@ -96,6 +109,8 @@ def add_commands(commands) -> dict:
         parser.add_argument("--batch", type=int, default=4)
         parser.add_argument("--n-embd", type=int, default=256)
         parser.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
+        parser.add_argument("--objective", choices=["causal_lm", "dpo"], default="causal_lm",
+                            help="dpo: --batch rows of pairs against a frozen reference copy")
     c.add_argument("--chunk-tokens", type=int, default=256)
     w.add_argument("--chunk-tokens", type=int, default=0)
     return {"loss-memory": loss_memory, "_loss_memory": _worker}

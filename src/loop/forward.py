@@ -27,14 +27,16 @@ from src.faults.distributed_errors import unused_parameters
 from src.loop.batches import call_model
 from src.objectives.base import Objective
 from src.objectives.chunked import check_the_model_keeps_its_logits, output_layer_loss
+from src.objectives.classification import CrossEntropy
 
 
 class Forward:
     def __init__(self, objective: Objective, compile: bool, mode: str = "default"):
         self.objective = objective
-        # objective.chunk_tokens: the model's output layer computes the loss sum (src/objectives/chunked.py).
-        self.chunked = getattr(objective, "chunk_tokens", None) is not None
-        self._chunking_unchecked = self.chunked
+        # objective.chunk_tokens of cross_entropy and causal_lm: the model's output layer computes the loss sum
+        # (src/objectives/chunked.py); preference objectives have it compute their log-probabilities themselves.
+        self.chunked = isinstance(objective, CrossEntropy) and objective.chunk_tokens is not None
+        self._chunking_unchecked = getattr(objective, "chunk_tokens", None) is not None
         self._train_step = torch.compile(self._loss_sum, mode=mode) if compile else self._loss_sum
         self._compiled_metrics = torch.compile(self._metrics) if compile else None
 

@@ -10,7 +10,9 @@ chunk's hidden states and recomputes its logits in the backward pass. Peak memor
 gradient. Cost: the output layer's matrix product once more in the backward pass. The loss and the gradients are
 the plain computation's within float rounding (a sum in another order). Evaluation goes through the output layer
 the same way: each token's loss and whether its likeliest token is the target, a chunk at a time, never the
-logits of a whole batch (its metrics those of the whole logits).
+logits of a whole batch (its metrics those of the whole logits). Preference objectives (dpo, simpo, orpo) have the
+layer give each position's log-probability of its next input token instead, chunk by chunk the same way, for the
+policy's pass and the reference's (src/objectives/preference.py).
 
 It is what torchtune's chunked output and Liger's fused linear cross-entropy do, written with torch's own
 checkpointing so that it works on any device and under torch.compile, for any model whose output layer is a
@@ -52,23 +54,41 @@ def output_layer_loss(model: torch.nn.Module, objective, targets: torch.Tensor, 
     `per_token`, each aligned target's loss and whether it was the likeliest token, as (..., 2)); outside, the
     output layer is the Linear it was. Set outside a compiled step: the compiled graph reads the targets as the
     layer's input, so a new micro-batch does not recompile it."""
+    with _output_layer_computes(model, "token_scores" if per_token else "loss_sum", targets, objective):
+        yield
+
+
+@contextlib.contextmanager
+def output_layer_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, chunk_tokens: int) -> Iterator[None]:
+    """Within it, the model's output is each position's log-probability of the next input token, (rows, T-1) in
+    fp32: what preference objectives sum over answers (src/objectives/preference.py), chunk_tokens positions at a
+    time, so that neither a batch's logits nor their fp32 log-softmax are held."""
+    with _output_layer_computes(model, "token_logps", input_ids[:, 1:], chunk_tokens=chunk_tokens):
+        yield
+
+
+@contextlib.contextmanager
+def _output_layer_computes(model: torch.nn.Module, mode: str, targets: torch.Tensor, objective=None,
+                           chunk_tokens: Optional[int] = None) -> Iterator[None]:
     layer = output_layer(model)
     if "forward" not in vars(layer):  # once: the layer's own forward, which computes the loss while targets are set
-        layer.forward, layer.chunked_objective = types.MethodType(_logits_or_loss_sum, layer), objective
+        layer.forward = types.MethodType(_logits_or_chunked, layer)
         layer.chunked_targets = None
-    layer.chunked_targets, layer.chunked_per_token = targets, per_token
+    layer.chunked_targets, layer.chunked_mode = targets, mode
+    layer.chunked_objective, layer.chunked_size = objective, chunk_tokens
     try:
         yield
     finally:
         layer.chunked_targets = None
 
 
-def _logits_or_loss_sum(layer: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+def _logits_or_chunked(layer: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     if layer.chunked_targets is None:
         return F.linear(hidden, layer.weight, layer.bias)
-    if layer.chunked_per_token:
-        return chunked_token_scores(hidden, layer.weight, layer.bias, layer.chunked_targets, layer.chunked_objective)
-    return chunked_loss_sum(hidden, layer.weight, layer.bias, layer.chunked_targets, layer.chunked_objective)
+    if layer.chunked_mode == "token_logps":
+        return chunked_token_logps(hidden, layer.weight, layer.bias, layer.chunked_targets, layer.chunked_size)
+    compute = chunked_token_scores if layer.chunked_mode == "token_scores" else chunked_loss_sum
+    return compute(hidden, layer.weight, layer.bias, layer.chunked_targets, layer.chunked_objective)
 
 
 def chunked_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
@@ -94,6 +114,26 @@ def chunked_token_scores(hidden: torch.Tensor, weight: torch.Tensor, bias: Optio
     return torch.cat(scores).view(*shape, 2)
 
 
+def chunked_token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        next_ids: torch.Tensor, size: int) -> torch.Tensor:
+    """(rows, T-1) fp32: position t's log-probability of next_ids[:, t], `size` positions at a time, each chunk's
+    logits recomputed in the backward pass where a gradient is wanted."""
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    ids = next_ids.reshape(-1)
+    pieces = [(hidden[start:start + size], weight, bias, ids[start:start + size])
+              for start in range(0, ids.numel(), size)]
+    if torch.is_grad_enabled():
+        logps = [checkpoint(_token_logps_of_chunk, *piece, use_reentrant=False) for piece in pieces]
+    else:  # a reference model's or an evaluation's pass: nothing to recompute
+        logps = [_token_logps_of_chunk(*piece) for piece in pieces]
+    return torch.cat(logps).view(next_ids.shape)
+
+
+def _token_logps_of_chunk(hidden, weight, bias, ids) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()  # fp32 whatever the autocast dtype, as with whole logits
+    return logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
 def _aligned_chunks(hidden: torch.Tensor, targets: torch.Tensor, objective) -> tuple[torch.Size, list]:
     """The aligned targets' shape (causal: position t predicts target t+1), and (hidden states, targets) as rows,
     objective.chunk_tokens of them at a time."""
@@ -112,10 +152,19 @@ def _loss_sum_of_chunk(hidden, weight, bias, targets, ignore_index: int) -> torc
 
 def check_the_model_keeps_its_logits(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, objective) -> None:
     """On a prefix of the first micro-batch: the chunked loss against the plain one, its ignored targets replaced by
-    tokens that count. A model that changes its logits after the output layer (Gemma's soft-capping, a logit scale)
-    gives another number."""
+    tokens that count (a preference objective's: each position's log-probability of the next input token). A model
+    that changes its logits after the output layer (Gemma's soft-capping, a logit scale) gives other numbers."""
     prefix = (slice(0, 1), slice(0, CHECKED_TOKENS))
     cut = (lambda t: t[prefix] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
+    if getattr(objective, "trains_on_pairs", False):  # the input ids are the targets; the rest is the data's layout
+        ids = cut(inputs["input_ids"])
+        with torch.no_grad():
+            logits = call_model(model, {"input_ids": ids})[:, :-1].float()
+            plain = logits.gather(-1, ids[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1)
+            with output_layer_token_logps(model, ids, objective.chunk_tokens):
+                chunked = call_model(model, {"input_ids": ids})
+        _refuse_unless_close(model, plain, chunked, "log-probabilities")
+        return
     inputs = {k: cut(v) for k, v in inputs.items()} if isinstance(inputs, Mapping) else cut(inputs)
     targets = cut(targets)
     if isinstance(targets, torch.Tensor):  # on tokens that count: a prompt's are all ignored, both losses then 0
@@ -125,9 +174,13 @@ def check_the_model_keeps_its_logits(model: torch.nn.Module, inputs: Any, target
         plain = objective.loss_sum(call_model(model, inputs), targets)
         with output_layer_loss(model, objective, targets):
             chunked = call_model(model, inputs)
-    if chunked.shape != () or not torch.allclose(chunked.float(), plain.float(), rtol=1e-3, atol=1e-3):
+    _refuse_unless_close(model, plain, chunked, "loss")
+
+
+def _refuse_unless_close(model: torch.nn.Module, plain: torch.Tensor, chunked: torch.Tensor, what: str) -> None:
+    if chunked.shape != plain.shape or not torch.allclose(chunked.float(), plain.float(), rtol=1e-3, atol=1e-3):
         model_name = type(getattr(model, "module", model)).__name__
         raise UsageError(f"objective.chunk_tokens: {model_name} changes its logits after its output layer (e.g. "
-                         f"soft-capping or a logit scale), so the loss cannot be computed from that layer in chunks "
-                         f"(the plain loss of a test prefix is {plain.item():.4f}, the chunked one "
+                         f"soft-capping or a logit scale), so the {what} cannot be computed from that layer in "
+                         f"chunks (on a test prefix, plainly {plain.float().mean().item():.4f} on average, in chunks "
                          f"{chunked.float().mean().item():.4f}): use objective.chunk_tokens=null")

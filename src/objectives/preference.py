@@ -11,7 +11,9 @@ Exact over the global batch: as every objective here, these return sums and coun
 step's loss is the mean over the pairs of the whole global batch however it is split into processes and
 micro-batches. ORPO's and SimPO's language-model term is a mean over tokens, not pairs: it is a second term with
 its own count (the chosen rows' tokens), so it is exact too. The training metrics are summed over the step's
-global batch the same way and read only at logging steps (no host sync per step).
+global batch the same way and read only at logging steps (no host sync per step). With objective.chunk_tokens the
+log-probabilities come from the model's output layer a chunk of positions at a time (src/objectives/chunked.py),
+never from a whole batch's logits.
 
 DPO's reference model (`objective.reference`):
 - `adapter`: the model with its LoRA adapter switched off (peft's disable_adapter, as TRL does): the base weights
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from src.errors import UsageError
 from src.loop.batches import call_model
 from src.objectives.base import Objective, PerSample
+from src.objectives.chunked import output_layer_token_logps
 from src.schema.signature import Arg
 
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -45,10 +48,15 @@ NOT_MODEL_INPUTS = ("pair_index", "reference_logps", "packed_at")  # batch keys 
 
 def next_token_logps(logits: torch.Tensor, inputs: Mapping) -> torch.Tensor:
     """(2B, T-1): each row's log-probability of its token t+1 at position t, in fp32 whatever the autocast dtype,
-    in the padded layout of the labels: a packed batch's (data.packing=true, src/data/preference.py) read back
-    through `packed_at` (what a row's last token predicts there is the next row's, never counted)."""
+    in the padded layout of the labels (in_padded_layout)."""
     logits, ids = logits[:, :-1].float(), inputs["input_ids"][:, 1:]
-    per_token = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    return in_padded_layout(logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1), inputs)
+
+
+def in_padded_layout(per_token: torch.Tensor, inputs: Mapping) -> torch.Tensor:
+    """Per-token values of the model's input rows in the padded layout of the labels: a packed batch's
+    (data.packing=true, src/data/preference.py) read back through `packed_at` (what a row's last token predicts
+    there is the next row's, never counted)."""
     if "packed_at" not in inputs:
         return per_token
     return F.pad(per_token, (0, 1)).flatten()[inputs["packed_at"][:, :-1]]
@@ -62,11 +70,17 @@ def answer_logps(token_logps: torch.Tensor, labels: torch.Tensor, ignore_index: 
     return (token_logps * counted).sum(-1), counted.sum(-1)
 
 
-def model_answer_logps(model: torch.nn.Module, inputs: Mapping, labels: torch.Tensor, ignore_index: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The model's answer_logps of a batch of pairs, padded or packed, and its next_token_logps."""
-    token_logps = next_token_logps(call_model(model, {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}),
-                                   inputs)
+def model_answer_logps(model: torch.nn.Module, inputs: Mapping, labels: torch.Tensor, ignore_index: int,
+                       chunk_tokens: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's answer_logps of a batch of pairs, padded or packed, and its next_token_logps. `chunk_tokens`:
+    computed by the model's output layer that many positions at a time (src/objectives/chunked.py), never from
+    the logits of the whole batch."""
+    model_inputs = {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}
+    if chunk_tokens is None:
+        token_logps = next_token_logps(call_model(model, model_inputs), inputs)
+    else:
+        with output_layer_token_logps(model, inputs["input_ids"], chunk_tokens):
+            token_logps = in_padded_layout(call_model(model, model_inputs), inputs)
     return (*answer_logps(token_logps, labels, ignore_index), token_logps)
 
 
@@ -85,9 +99,14 @@ class PreferenceObjective(Objective):
     lm_weight: float = 0.0  # the language-model term's weight (0: none)
 
     def __init__(self, beta: Annotated[float, Arg("the strength of the preference (TRL's beta)", gt=0)] = 0.1,
-                 ignore_index: Annotated[int, Arg("label value that counts for nothing")] = -100, **base):
+                 ignore_index: Annotated[int, Arg("label value that counts for nothing")] = -100,
+                 chunk_tokens: Annotated[Optional[int], Arg(
+                     "compute the answers' log-probabilities through the model's output layer this many tokens at a "
+                     "time (each chunk's logits recomputed in the backward pass), so that the fp32 logits of a whole "
+                     "micro-batch of pairs are never held (large vocabularies; src/objectives/chunked.py); null: at "
+                     "once", ge=1)] = None, **base):
         super().__init__(**base)
-        self.beta, self.ignore_index = beta, ignore_index
+        self.beta, self.ignore_index, self.chunk_tokens = beta, ignore_index, chunk_tokens
         self._recorded: list[torch.Tensor] = []  # the training micro-batches' metric sums since the last read
 
     # What the loop calls -------------------------------------------------------------------------------------------
@@ -140,9 +159,14 @@ class PreferenceObjective(Objective):
 
     def pairs(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """The model's per-row answer log-probabilities and token counts, and its per-token log-probabilities."""
-        logps, tokens, token_logps = model_answer_logps(model, inputs, targets, self.ignore_index)
+        logps, tokens, token_logps = self.model_logps(model, inputs, targets)
         return {"logps": logps, "tokens": tokens, "token_logps": token_logps, **{
             k: inputs[k] for k in ("reference_logps",) if k in inputs}}
+
+    def model_logps(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """model_answer_logps as this objective computes them: the policy's, and a reference model's."""
+        return model_answer_logps(model, inputs, targets, self.ignore_index, self.chunk_tokens)
 
     def metric_values(self, pairs: dict) -> list[torch.Tensor]:
         """Per pair, in the order of metric_names after the loss."""
@@ -212,8 +236,7 @@ class DPO(PreferenceObjective):
     def start(self, accelerator, model: torch.nn.Module, data, run_dir: Path, checkpoint: Optional[Path]) -> None:
         from src.objectives.reference import Reference  # it reads answer_logps from here
 
-        self.reference = Reference.build(self.reference_kind, accelerator, model, data, run_dir, checkpoint,
-                                         self.ignore_index)
+        self.reference = Reference.build(self.reference_kind, accelerator, model, data, run_dir, checkpoint, self)
 
     def with_reference(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> Mapping:
         if self.reference is None:

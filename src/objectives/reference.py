@@ -1,7 +1,8 @@
 """DPO's reference model: what the policy's log-probabilities are compared with (objective.reference; the choice is
 explained in src/objectives/preference.py).
 
-Each gives, for a batch of pairs (2B rows), the reference's answer log-probability per row, without gradients.
+Each gives, for a batch of pairs (2B rows), the reference's answer log-probability per row, without gradients,
+computed as the objective computes the policy's (its model_logps: objective.chunk_tokens too).
 """
 
 import contextlib
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader
 from src.checkpointing.training_state import sharded as is_sharded
 from src.errors import UsageError
 from src.loop.batches import split_batch
-from src.objectives.preference import REFERENCE_FILE, model_answer_logps
+from src.objectives.preference import REFERENCE_FILE
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ DESCRIBED = {"adapter": "the model with its LoRA adapter switched off (its base 
 class Reference:
     @staticmethod
     def build(kind: str, accelerator: Accelerator, model: torch.nn.Module, data, run_dir: Path,
-              checkpoint: Optional[Path], ignore_index: int) -> "Reference":
+              checkpoint: Optional[Path], objective) -> "Reference":
         """The reference `kind` names (auto: the cheapest that is exact here), from the model as it starts: call it
         before a resume loads the checkpoint's weights."""
         inner = accelerator.unwrap_model(model)
@@ -45,13 +46,13 @@ class Reference:
                 raise UsageError("objective.reference=adapter needs a model with a LoRA adapter (model.peft): its "
                                  "base, with the adapter switched off, is the reference; use reference=copy or "
                                  "precomputed")
-            return AdapterOff(ignore_index)
+            return AdapterOff(objective)
         if kind == "copy":
             if sharded:
                 raise UsageError("objective.reference=copy under FSDP would hold the whole model on every rank: use "
                                  "objective.reference=precomputed, or a LoRA adapter (reference=adapter)")
-            return FrozenCopy(accelerator, inner, ignore_index)
-        return Precomputed.load_or_compute(accelerator, model, data, run_dir, checkpoint, ignore_index)
+            return FrozenCopy(accelerator, inner, objective)
+        return Precomputed.load_or_compute(accelerator, model, data, run_dir, checkpoint, objective)
 
     def __call__(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -72,28 +73,28 @@ def evaluating(module: torch.nn.Module):
 class AdapterOff(Reference):
     """The model itself with its adapter switched off: the base weights, with no copy (TRL's default with peft)."""
 
-    def __init__(self, ignore_index: int):
-        self.ignore_index = ignore_index
+    def __init__(self, objective):
+        self.objective = objective
 
     def __call__(self, model, inputs, targets):
         inner = getattr(model, "module", model)  # DDP's wrapper; FSDP2 and a bare model are the module itself
         with evaluating(model), inner.disable_adapter():
-            return model_answer_logps(model, inputs, targets, self.ignore_index)[0]
+            return self.objective.model_logps(model, inputs, targets)[0]
 
 
 class FrozenCopy(Reference):
     """A frozen copy of the starting weights on this process (TRL's ref_model)."""
 
-    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, ignore_index: int):
-        self.accelerator, self.ignore_index = accelerator, ignore_index
+    def __init__(self, accelerator: Accelerator, model: torch.nn.Module, objective):
+        self.accelerator, self.objective = accelerator, objective
         self.model = copy.deepcopy(model).requires_grad_(False).eval()
 
     def __call__(self, model, inputs, targets):
         with torch.no_grad(), self.accelerator.autocast():  # the policy's precision; the copy was not prepared
-            return model_answer_logps(self.model, inputs, targets, self.ignore_index)[0]
+            return self.objective.model_logps(self.model, inputs, targets)[0]
 
 
-def for_evaluation(accelerator: Accelerator, run_cfg, source: Path, ignore_index: int) -> Reference:
+def for_evaluation(accelerator: Accelerator, run_cfg, source: Path, objective) -> Reference:
     """eval.py's reference for a DPO run's model or checkpoint at `source`: the log-probabilities the run
     precomputed (in its run dir), else the run's starting model rebuilt from its config (model.pretrained; with an
     adapter, as a fresh run starts it: switched off, the base)."""
@@ -108,7 +109,7 @@ def for_evaluation(accelerator: Accelerator, run_cfg, source: Path, ignore_index
                          f"random initialisation without model.pretrained, and {REFERENCE_FILE} is not in its run "
                          "dir; train with objective.reference=precomputed to evaluate such a run")
     starting = instantiate(run_cfg.model, _convert_="all").to(accelerator.device)
-    return FrozenCopy(accelerator, starting, ignore_index)
+    return FrozenCopy(accelerator, starting, objective)
 
 
 def pair_sets(data) -> list:
@@ -131,7 +132,7 @@ class Precomputed(Reference):
 
     @classmethod
     def load_or_compute(cls, accelerator: Accelerator, model, data, run_dir: Path, checkpoint: Optional[Path],
-                        ignore_index: int) -> "Precomputed":
+                        objective) -> "Precomputed":
         """A resume reads the table its run computed (beside the checkpoints: run_dir/checkpoints/step_N); a fresh
         run computes it, and rank 0 writes it into the run dir."""
         from safetensors.torch import load_file
@@ -150,7 +151,7 @@ class Precomputed(Reference):
             if kept is not None:
                 log.warning("objective.reference=precomputed: %s is missing, so the starting model's "
                             "log-probabilities are computed again (on this layout)", kept)
-            table = cls.compute(accelerator, model, data, pairs, ignore_index)
+            table = cls.compute(accelerator, model, data, pairs, objective)
         if accelerator.is_main_process and not (file.is_file() and kept == file):
             from safetensors.torch import save_file
 
@@ -161,7 +162,7 @@ class Precomputed(Reference):
         return cls(table, accelerator.device)
 
     @staticmethod
-    def compute(accelerator: Accelerator, model, data, pairs: int, ignore_index: int) -> torch.Tensor:
+    def compute(accelerator: Accelerator, model, data, pairs: int, objective) -> torch.Tensor:
         """One forward pass of the starting model over the training and validation pairs, split over the
         processes; every process ends with the whole table."""
         table = torch.full((pairs, 2), float("nan"))
@@ -172,7 +173,7 @@ class Precomputed(Reference):
             for batch in loader:
                 inputs, targets = split_batch(batch, "labels")
                 with evaluating(model):
-                    logps = model_answer_logps(model, inputs, targets, ignore_index)[0]
+                    logps = objective.model_logps(model, inputs, targets)[0]
                 index, logps = accelerator.gather_for_metrics((inputs["pair_index"], logps.float().view(2, -1).T))
                 table[index.cpu()] = logps.cpu()
         computed = int((~table.isnan().any(1)).sum())
