@@ -595,6 +595,35 @@ def test_dpo_under_fsdp_trains_the_weights_of_one_process_with_lora_s_base_or_pr
     named(proc.stdout, "objective.reference=copy", "FSDP", "precomputed")
 
 
+@pytest.mark.slow  # compilation (~20 s)
+@pytest.mark.parametrize("objective", ["dpo", "orpo"])
+def test_a_compiled_step_on_pairs_compiles_once_for_every_micro_batch_and_sums_their_metrics(objective, pretrained,
+                                                                                             tmp_path):
+    """trainer.compile=true with accumulation: the pairs' training metrics are added up on the device across a
+    window's micro-batches without the compiled step depending on how many came before (a list appended to in the
+    step recompiled it for each, past the compiler's limit of 8 into eager mode), and read as the sums of each
+    micro-batch's metrics."""
+    from src.loop.forward import Forward
+
+    model, inputs, labels = pairs_and_model("gpt", False, pretrained)
+    eager = started(preference_objective(objective), model, tmp_path)
+    compiled = started(preference_objective(objective), model, tmp_path)
+    with torch.no_grad():
+        for parameter in model.parameters():  # the policy moves away from DPO's reference copy
+            parameter.mul_(1.1)
+    torch._dynamo.reset()  # what earlier tests compiled in this process: a new objective would recompile it
+    forward = Forward(compiled, compile=True)
+    for _ in range(2):  # steps of 3 micro-batches, read after each as the loop reads them
+        for _ in range(3):
+            Forward(eager, compile=False).loss_sum(model, inputs, labels)
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                forward.loss_sum(model, inputs, labels).sum().backward()
+        expected, got = eager.training_metrics(), compiled.training_metrics()
+        assert got.keys() == expected.keys() == set(compiled.pair_metric_names)
+        for name in got:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("reference, packing", [("copy", "false"), ("precomputed", "true")])
 def test_dpo_steps_make_no_host_reads_between_logging_steps(tmp_path, reference, packing):
     """The reference's pass, the pairs' metrics and the second loss term stay on the device, and so does reading

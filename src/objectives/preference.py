@@ -94,6 +94,7 @@ class PreferenceObjective(Objective):
     language-model term on the chosen rows joins it (a mean over tokens: a second term with its own count)."""
 
     metric_names: ClassVar[tuple[str, ...]] = ("loss", *PAIR_METRICS)
+    pair_metric_names: ClassVar[tuple[str, ...]] = PAIR_METRICS  # what metric_values gives, in its order
     shifts_targets = True
     trains_on_pairs: ClassVar[bool] = True  # checked against data.preference before the run starts
     lm_weight: float = 0.0  # the language-model term's weight (0: none)
@@ -107,7 +108,10 @@ class PreferenceObjective(Objective):
                      "once", ge=1)] = None, **base):
         super().__init__(**base)
         self.beta, self.ignore_index, self.chunk_tokens = beta, ignore_index, chunk_tokens
-        self._recorded: list[torch.Tensor] = []  # the training micro-batches' metric sums since the last read
+        # The training micro-batches' metric sums since the last read, on the device: one tensor added to, as a
+        # list appended to inside a compiled step would recompile it for each micro-batch of an accumulation window
+        # (the compiler guards on the list's length).
+        self._sums: Optional[torch.Tensor] = None
 
     # What the loop calls -------------------------------------------------------------------------------------------
 
@@ -120,7 +124,8 @@ class PreferenceObjective(Objective):
 
     def model_loss_sum(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
         pairs = self.pairs(model, inputs, targets)
-        self._recorded.append(torch.stack([values.detach().sum() for values in self.metric_values(pairs)]))
+        sums = torch.stack([values.detach().sum() for values in self.metric_values(pairs)])
+        self._sums = sums if self._sums is None else self._sums + sums
         pair_sum = self.pair_losses(pairs).sum()
         if not self.lm_weight:
             return pair_sum
@@ -130,7 +135,7 @@ class PreferenceObjective(Objective):
         pairs = self.pairs(model, inputs, targets)
         losses = self.pair_losses(pairs)
         ones = torch.ones_like(losses)
-        metrics = {name: (values, ones) for name, values in zip(self.metric_names[1:], self.metric_values(pairs))}
+        metrics = {name: (values, ones) for name, values in zip(self.pair_metric_names, self.metric_values(pairs))}
         if not self.lm_weight:
             return {"loss": (losses, ones), **metrics}
         lm_tokens = self.lm_counted(targets).sum(-1)  # the language-model term: a mean over its tokens
@@ -145,10 +150,14 @@ class PreferenceObjective(Objective):
     def training_metrics(self) -> dict[str, torch.Tensor]:
         """name -> this rank's sum over the pairs trained on since the last call (on the device); the loop
         reduces them over processes and divides by the pairs at a logging step."""
-        if not self._recorded:
+        if self._sums is None:
             return {}
-        sums, self._recorded = torch.stack(self._recorded).sum(0), []
-        return dict(zip(self.metric_names[1:], sums))
+        sums, self._sums = self._sums, torch.zeros_like(self._sums)
+        return dict(zip(self.pair_metric_names, sums))
+
+    def start(self, accelerator, model: torch.nn.Module, data, run_dir: Path, checkpoint: Optional[Path]) -> None:
+        # Before the first micro-batch, so that every (compiled) step adds to a tensor: one graph, not two.
+        self._sums = torch.zeros(len(self.pair_metric_names), device=accelerator.device)
 
     def check_batch(self, inputs: Mapping, targets: torch.Tensor) -> None:
         if not isinstance(inputs, Mapping) or "pair_index" not in inputs or targets.shape[0] % 2:
@@ -169,7 +178,7 @@ class PreferenceObjective(Objective):
         return model_answer_logps(model, inputs, targets, self.ignore_index, self.chunk_tokens)
 
     def metric_values(self, pairs: dict) -> list[torch.Tensor]:
-        """Per pair, in the order of metric_names after the loss."""
+        """Per pair, in the order of pair_metric_names."""
         chosen_reward, rejected_reward, chosen_logps, rejected_logps = self.rewards(pairs)
         return [chosen_reward, rejected_reward, (chosen_reward > rejected_reward).float(),
                 chosen_reward - rejected_reward, chosen_logps, rejected_logps]
@@ -236,6 +245,7 @@ class DPO(PreferenceObjective):
     def start(self, accelerator, model: torch.nn.Module, data, run_dir: Path, checkpoint: Optional[Path]) -> None:
         from src.objectives.reference import Reference  # it reads answer_logps from here
 
+        super().start(accelerator, model, data, run_dir, checkpoint)
         self.reference = Reference.build(self.reference_kind, accelerator, model, data, run_dir, checkpoint, self)
 
     def with_reference(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> Mapping:
@@ -276,7 +286,8 @@ class ORPO(PreferenceObjective):
     answer, as TRL's ORPOTrainer) plus beta times minus the log-sigmoid of the answers' log odds ratio (from their
     per-token mean log-probabilities)."""
 
-    metric_names = ("loss", *PAIR_METRICS, "log_odds_ratio", "log_odds_chosen", "nll_loss", "pair_loss")
+    pair_metric_names = (*PAIR_METRICS, "log_odds_ratio", "log_odds_chosen")
+    metric_names = ("loss", *pair_metric_names, "nll_loss", "pair_loss")
     lm_weight = 1.0
 
     def pair_losses(self, pairs: dict) -> torch.Tensor:
