@@ -214,11 +214,12 @@ def test_a_pair_longer_than_the_block_loses_its_prompts_start_first_or_is_droppe
 # ---------------------------------------------------------------------------------------------- equal to TRL
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
-def test_dpo_loss_and_metrics_equal_trls_dpo_trainer(loss_type, pretrained, tmp_path, trl):
+@pytest.mark.parametrize("loss_type, sft_weight", [("sigmoid", 0.0), ("ipo", 0.0), ("hinge", 0.0), ("robust", 0.0),
+                                                   ("sigmoid", 0.2)])
+def test_dpo_loss_and_metrics_equal_trls_dpo_trainer(loss_type, sft_weight, pretrained, tmp_path, trl):
     """For the same model, reference, pairs and settings, the loss and TRL's reward and log-probability metrics
-    equal DPOTrainer's within 1e-5. The reference differs from the policy (another model), so that the rewards are
-    not all zero."""
+    equal DPOTrainer's within 1e-5; with sft_weight, TRL's loss_type [sigmoid, sft] weighted [1, sft_weight] (RPO).
+    The reference differs from the policy (another model), so that the rewards are not all zero."""
     from accelerate import Accelerator
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -237,11 +238,13 @@ def test_dpo_loss_and_metrics_equal_trls_dpo_trainer(loss_type, pretrained, tmp_
             parameter.add_(0.05 * torch.randn_like(parameter))
     smoothing = 0.2 if loss_type == "robust" else 0.0
     settings = dict(beta=0.3, loss_type=loss_type, label_smoothing=smoothing)
+    losses = {"loss_type": [loss_type, "sft"], "loss_weights": [1.0, sft_weight]} if sft_weight else {
+        "loss_type": [loss_type]}
     trainer = trl.DPOTrainer(model=policy, ref_model=reference, processing_class=AutoTokenizer.from_pretrained(
-        pretrained), args=trl_args(trl.DPOConfig, tmp_path, len(rows), **{**settings, "loss_type": [loss_type]}),
+        pretrained), args=trl_args(trl.DPOConfig, tmp_path, len(rows), **{**settings, **losses}),
         train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(rows))
     theirs = trl_metrics(trainer)
-    ours = our_metrics(DPO(**settings, reference="copy"), policy, batch_of(codec, rows),
+    ours = our_metrics(DPO(**settings, sft_weight=sft_weight, reference="copy"), policy, batch_of(codec, rows),
                        FrozenCopy(Accelerator(cpu=True), reference, DPO()))
     assert theirs["rewards/margins"] != 0
     assert_same(ours, theirs, ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -293,11 +296,11 @@ def test_orpo_equals_trls_orpo_trainer(pretrained, tmp_path, trl):
 # ------------------------------------------------------------------------------------- exact over the global batch
 
 
-@pytest.mark.parametrize("objective", ["dpo", "simpo", "orpo"])
+@pytest.mark.parametrize("objective", ["dpo", "dpo_sft", "simpo", "orpo"])
 def test_a_steps_loss_and_gradient_are_the_same_however_the_global_batch_is_split(objective, pretrained):
     """The loop's recipe (each micro-batch's terms over the global batch's counts, src/loop/accumulation.py) gives
     the whole batch's loss and gradient for micro-batches of 1, 2 and 3 pairs of different lengths: pairs for every
-    objective, and tokens for ORPO's and SimPO's language-model term."""
+    objective, and tokens for the language-model term of ORPO, and of SimPO and DPO with sft_weight."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -308,10 +311,10 @@ def test_a_steps_loss_and_gradient_are_the_same_however_the_global_batch_is_spli
     codec = codec_for(str(pretrained))
     rows = shipped_pairs(6, codec)
     model = AutoModelForCausalLM.from_pretrained(pretrained)
-    chosen = {"dpo": lambda: DPO(reference="copy"), "simpo": lambda: SimPO(sft_weight=0.5),
-              "orpo": lambda: ORPO()}[objective]()
+    chosen = {"dpo": lambda: DPO(reference="copy"), "dpo_sft": lambda: DPO(reference="copy", sft_weight=0.2),
+              "simpo": lambda: SimPO(sft_weight=0.5), "orpo": lambda: ORPO()}[objective]()
     reference = FrozenCopy(Accelerator(cpu=True), AutoModelForCausalLM.from_pretrained(pretrained), DPO())
-    if objective == "dpo":  # a reference unlike the policy, so that the loss is not log 2 everywhere
+    if objective.startswith("dpo"):  # a reference unlike the policy, so that the loss is not log 2 everywhere
         with torch.no_grad():
             for parameter in reference.model.parameters():
                 parameter.mul_(0.9)
@@ -326,7 +329,7 @@ def test_a_steps_loss_and_gradient_are_the_same_however_the_global_batch_is_spli
         total = 0
         for b in batches:
             inputs = {k: v for k, v in b.items() if k != "labels"}
-            if objective == "dpo":
+            if objective.startswith("dpo"):
                 inputs["reference_logps"] = reference(model, inputs, b["labels"])
             loss = (chosen.model_loss_sum(model, inputs, b["labels"]) / counts).sum()
             loss.backward()

@@ -9,11 +9,11 @@ rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/cho
 
 Exact over the global batch: as every objective here, these return sums and counts (src/objectives/base.py), so a
 step's loss is the mean over the pairs of the whole global batch however it is split into processes and
-micro-batches. ORPO's and SimPO's language-model term is a mean over tokens, not pairs: it is a second term with
-its own count (the chosen rows' tokens), so it is exact too. The training metrics are summed over the step's
-global batch the same way and read only at logging steps (no host sync per step). With objective.chunk_tokens the
-log-probabilities come from the model's output layer a chunk of positions at a time (src/objectives/chunked.py),
-never from a whole batch's logits.
+micro-batches. The language-model term (ORPO's, and SimPO's and DPO's sft_weight) is a mean over tokens, not
+pairs: a second term with its own count (the chosen rows' tokens), so it is exact too. The training metrics are
+summed over the step's global batch the same way and read only at logging steps (no host sync per step). With
+objective.chunk_tokens the log-probabilities come from the model's output layer a chunk of positions at a time
+(src/objectives/chunked.py), never from a whole batch's logits.
 
 DPO's reference model (`objective.reference`):
 - `adapter`: the model with its LoRA adapter switched off (peft's disable_adapter, as TRL does): the base weights
@@ -217,6 +217,10 @@ class DPO(PreferenceObjective):
                      "starting weights), precomputed (the starting weights' log-probabilities, computed once before "
                      "training); auto: adapter with a LoRA adapter, else precomputed under FSDP, else copy"
                      )] = "auto",
+                 sft_weight: Annotated[float, Arg(
+                     "the weight of a language-model loss on the chosen answers' tokens, added to the preference "
+                     "loss (RPO; Llama 3's DPO used 0.2; TRL's loss_type [..., sft] with this loss_weight)", ge=0)
+                 ] = 0.0,
                  **preference):
         super().__init__(**preference)
         if label_smoothing and loss_type != "robust":
@@ -224,6 +228,9 @@ class DPO(PreferenceObjective):
                              f"{loss_type} loss has none)")
         self.loss_type, self.label_smoothing, self.reference_kind = loss_type, label_smoothing, reference
         self.reference = None  # src/objectives/reference.py, set by start()
+        self.lm_weight = sft_weight  # a mean over the chosen answers' tokens: a second term with its own count
+        if sft_weight:
+            self.metric_names = ("loss", *PAIR_METRICS, "nll_loss", "pair_loss")
 
     def pair_losses(self, pairs: dict) -> torch.Tensor:
         chosen, rejected = halves(pairs["logps"] - pairs["reference_logps"])  # log-ratios against the reference
