@@ -9,7 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, kill_when, max_abs_diff, refused, run, scalars
+from tests.conftest import (
+    QUIET,
+    ROOT,
+    TINY_GPT,
+    exported_weights,
+    kill_when,
+    max_abs_diff,
+    named,
+    refused,
+    run,
+    scalars,
+)
 
 pytest.importorskip("datasets")
 SPEECHES = ROOT / "data" / "shakespeare_speeches.jsonl"
@@ -36,6 +47,10 @@ def test_the_stream_trains_windows_across_its_documents_in_their_order_after_the
     assert data.val[0][0].tolist() == held_out[:16] and len(data.val) == (len(held_out) - 1) // 16
     with pytest.raises(UsageError, match="data.text_column=body.*its columns: text"):
         StreamData(path=str(SPEECHES), block_size=16, text_column="body")
+    rows = len(texts)  # every row held out to validate: refused at the start, naming the key
+    with pytest.raises(UsageError, match=f"holds {rows} rows, and data.val_documents={rows} .*none is left"):
+        StreamData(path=str(SPEECHES), block_size=16, val_documents=rows)
+    assert len(StreamData(path=str(SPEECHES), block_size=16, val_documents=rows - 1).val) > 0  # one row trains
     # Its loader keeps its position: a thread reading ahead of the loop would move it past what trained.
     with pytest.raises(UsageError, match="data.read_ahead=true.*has none.*data.num_workers"):
         StreamData(path=str(SPEECHES), block_size=16, read_ahead=True).train_dataloader()
@@ -273,5 +288,8 @@ def test_a_stream_too_short_for_one_global_batch_is_refused_rather_than_read_aga
     short = tmp_path / "short.jsonl"
     short.write_text("".join(SPEECHES.read_text().splitlines(keepends=True)[:150]))
     # 50 training documents: some windows, fewer than one global batch of 4 x 64 windows.
-    refused(run(stream_args(short, tmp_path / "run", "data.batch_size=64", "trainer.gradient_accumulation_steps=4"),
-                check=False, timeout=120), "global batch", "data.path")
+    proc = run(stream_args(short, tmp_path / "run", "data.batch_size=64", "trainer.gradient_accumulation_steps=4"),
+               check=False, timeout=120)
+    refused(proc, "global batch", "data.path")
+    message = next(line for line in proc.stdout.splitlines() if "ended before one global batch" in line)
+    named(message, "data.val_documents")  # the overrides printed with it name it too

@@ -159,7 +159,12 @@ class StreamData(DataModule):
         self.source_files = ({local.name: local} if local.is_file() else
                              {str(f.relative_to(local)): f for f in sorted(local.rglob("*"))
                               if f.is_file() and not f.name.startswith(".")} if local.is_dir() else {})
-        held_out = [row[text_column] for row in rows.take(val_documents)]
+        held_out = [row[text_column] for row in rows.take(val_documents + 1)]  # and whether one row is left
+        if len(held_out) <= val_documents:
+            raise UsageError(f"data.path={path} holds {len(held_out)} rows, and data.val_documents={val_documents} "
+                             "holds out the first ones to validate: none is left to train on; lower "
+                             "data.val_documents below the rows it has")
+        held_out = held_out[:val_documents]
         val = np.array([t for ids in tokenized_documents(self.codec, held_out)[0] for t in ids], dtype=np.int64)
         self.val = TokenWindows(val, block_size)
         if len(self.val) == 0:

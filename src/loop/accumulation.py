@@ -95,7 +95,7 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
             batches = EpochBatches(batches, len(remaining) * accumulation, accumulation, accelerator.device)
         too_short = UsageError(f"the training data ended before one global batch ({per_micro_step * accumulation} "
                                "samples): a dataset without a length and without samples enough to train on (check "
-                               "data.path, and what validation holds out of it)")
+                               "data.path, and what validation holds out of it: data.val_documents with data=stream)")
         try:
             for taken in remaining:
                 try:
