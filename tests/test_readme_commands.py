@@ -49,6 +49,9 @@ RUN = [
      "--val-fraction 0.1", {}, []),
     ("accelerate launch train.py data=shards data.path=data/speeches_shards", {}, [*TINY, *STEPS]),
     ("accelerate launch train.py data=shards data.path=data/speeches_shards data.packing=true", {}, [*TINY, *STEPS]),
+    ("python scripts/prepare_data.py data/tinyshakespeare.txt data/play_shards --val-fraction 0.1", {}, []),
+    ("accelerate launch train.py data=shards 'data.sources=[{path: data/speeches_shards, weight: 3}, "
+     "{path: data/play_shards, weight: 1}]' data.samples_per_epoch=100000", {}, [*TINY, *STEPS]),
     ("python scripts/prepare_data.py --cifar10 data/cifar-10-batches-bin data/cifar10_shards",
      {"data/cifar-10-batches-bin": "{cifar}"}, []),
     ("accelerate launch train.py experiment=cifar10_resnet data.root=data/cifar10_shards", {},

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tests.conftest import (
     QUIET,
@@ -256,6 +257,116 @@ def test_a_changed_shard_is_refused_on_resume_naming_it(speeches, tmp_path):
             "train_00001.ds")
     (folder / "train_00001.ds").write_bytes(bytes(tokens[:-2]))  # cut short: named at the start of any run
     refused(run(shard_args(folder, tmp_path / "fresh"), check=False), "train_00001.ds", "prepare")
+
+
+@pytest.fixture(scope="module")
+def play(tmp_path_factory) -> Path:
+    """A second prepared corpus for mixtures: the first 200 kB of tiny Shakespeare, a line a document."""
+    folder = tmp_path_factory.mktemp("play")
+    (folder / "play.txt").write_bytes((ROOT / "data" / "tinyshakespeare.txt").read_bytes()[:200_000])
+    prepare(folder / "play.txt", folder / "shards", "--val-fraction", "0.1")
+    return folder / "shards"
+
+
+def test_several_prepared_folders_mix_by_weight_each_epoch_drawing_the_next_share_of_each_in_a_computed_order(
+        speeches, play):
+    """data.sources: an epoch of samples_per_epoch takes each folder's share by weight (largest remainders), each
+    sample one of that folder's own, a source's draws within a pass all different and the next epoch's the next ones
+    (its order computed, not held: src/data/sampling.py); validation is every folder's, whole; the same mixture
+    built again gives the same samples."""
+    from src.data.shards import ShardData
+
+    sources = [{"path": str(speeches), "weight": 3}, {"path": str(play), "weight": 1}]
+    data = ShardData(sources=sources, samples_per_epoch=400, block_size=16, batch_size=4, random_windows=True)
+    alone = [ShardData(path=str(folder), block_size=16, batch_size=4, random_windows=True)
+             for folder in (speeches, play)]
+    assert len(data.train) == 400 and data.train.counts == [300, 100]
+    assert len(data.val) == sum(len(part.val) for part in alone)
+    again = ShardData(sources=sources, samples_per_epoch=400, block_size=16, batch_size=4, random_windows=True)
+    drawn = {0: [], 1: []}
+    for epoch in (0, 1):
+        data.train.set_epoch(epoch)
+        again.train.set_epoch(epoch)
+        for part in alone:
+            part.train.set_epoch(epoch)  # random windows: the epoch reaches each source
+        for i in range(0, 400, 7):
+            source = 0 if i < 300 else 1
+            index = data.train.index_in(source, i - 300 * source)
+            drawn[source].append(index)
+            x, y = data.train[i]
+            assert torch.equal(x, alone[source].train[index][0]) and torch.equal(y, alone[source].train[index][1])
+            assert torch.equal(x, again.train[i][0])
+    for source, indices in drawn.items():
+        assert len(set(indices)) == len(indices), source  # two epochs of shares smaller than the source: no repeat
+    assert data.train.samples_by_source(np.array([0, 299, 300, 399])).tolist() == [2, 2]
+
+
+def test_mixed_folders_refuse_another_tokenizer_a_bad_source_or_both_keys_naming_the_source(speeches, play,
+                                                                                            tmp_path, pretrained):
+    from src.data.shards import ShardData
+    from src.errors import UsageError
+
+    other = tmp_path / "other"
+    prepare(ROOT / "data" / "shakespeare_speeches.jsonl", other, "--tokenizer", str(pretrained))
+    with pytest.raises(UsageError, match=r"data.sources\[1\] .*other.* another tokenizer than data.sources\[0\]"):
+        ShardData(sources=[{"path": str(speeches), "weight": 1}, {"path": str(other), "weight": 1}], block_size=16,
+                  batch_size=2)
+    with pytest.raises(UsageError, match=r"data.sources\[1\] .*missing.*no such folder"):
+        ShardData(sources=[{"path": str(speeches), "weight": 1}, {"path": str(tmp_path / "missing"), "weight": 1}],
+                  block_size=16, batch_size=2)
+    with pytest.raises(UsageError, match=r"data.sources\[0\].weight=0: a number above 0"):
+        ShardData(sources=[{"path": str(speeches), "weight": 0}], block_size=16, batch_size=2)
+    with pytest.raises(UsageError, match=r"data.sources\[0\] has no key 'packing'.*every other key is the run's"):
+        ShardData(sources=[{"path": str(speeches), "weight": 1, "packing": True}], block_size=16, batch_size=2)
+    with pytest.raises(UsageError, match="data.path .* or data.sources .*not both"):
+        ShardData(path=str(play), sources=[{"path": str(speeches), "weight": 1}], block_size=16, batch_size=2)
+    with pytest.raises(UsageError, match="data.path .* or data.sources .*give one of them"):
+        ShardData(block_size=16, batch_size=2)
+    with pytest.raises(UsageError, match="data.samples_per_epoch is for data.sources"):
+        ShardData(path=str(play), samples_per_epoch=10, block_size=16, batch_size=2)
+
+
+def test_mixed_folders_of_pairs_number_every_pair_once_as_a_precomputed_reference_reads_them(tmp_path):
+    """data.preference=true over two prepared folders of pairs: the training pairs of each, then the validation
+    pairs of each, numbered one set after the other from 0 (the rows of DPO's precomputed table), and a pair drawn
+    by the mixture carries its set's number."""
+    from src.data.shards import ShardData
+    from src.objectives.reference import pair_sets
+
+    folders = [tmp_path / "shipped", tmp_path / "short"]
+    prepare(ROOT / "data" / "shakespeare_pairs.jsonl", folders[0], "--preference", "--val-fraction", "0.1")
+    prepare(short_pairs(tmp_path / "short.jsonl"), folders[1], "--preference", "--val-fraction", "0.1")
+    data = ShardData(sources=[{"path": str(folders[0]), "weight": 1}, {"path": str(folders[1]), "weight": 2}],
+                     block_size=64, batch_size=2, preference=True, packing=True)
+    sets = pair_sets(data)
+    assert len(sets) == 4 and sets[0].first_index == 0
+    assert all(later.first_index == earlier.first_index + len(earlier) for earlier, later in zip(sets, sets[1:]))
+    for i in (0, len(data.train) - 1):
+        source = int(data.train.samples_by_source(np.array([i])).argmax())
+        index = data.train.index_in(source, i - data.train.starts[source])
+        assert data.train[i]["pair_index"] == data.train.sources[source].first_index + index
+    assert data.collate_fn([data.train[0], data.train[1]])["input_ids"].shape[0] <= 4  # the run's packing
+
+
+@pytest.mark.slow  # four launches, ~40 s; the in-process test above pins the mixture's samples
+def test_a_run_on_mixed_folders_resumes_bitwise_after_a_kill_trains_alike_on_two_processes_and_counts_each_share(
+        speeches, play, tmp_path):
+    mixed = [f"data.sources=[{{path: {speeches}, weight: 3}}, {{path: {play}, weight: 1}}]", "~data.path",
+             "data.samples_per_epoch=200", "trainer.gradient_accumulation_steps=2"]
+    one, killed, two = tmp_path / "one", tmp_path / "killed", tmp_path / "two"
+    run([*shard_args(speeches, one), *mixed])
+    kill_when([*shard_args(speeches, killed), *mixed], 1,
+              ready=lambda: (killed / "checkpoints" / "step_00000010").is_dir())
+    run([*shard_args(speeches, killed), *mixed, "resume=auto"])
+    assert scalars(killed, "train/loss") == scalars(one, "train/loss")
+    assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
+    run([*shard_args(speeches, two), *mixed[:-1], "trainer.gradient_accumulation_steps=1",
+         f"resume={killed / 'checkpoints' / 'step_00000010'}"], nproc=2)
+    assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
+    consumed = json.loads((one / "summary.json").read_text())["data"]
+    shares = [consumed[f"windows of 32 tokens from data.sources[{i}] ({path})"] for i, path in enumerate((speeches,
+                                                                                                          play))]
+    assert sum(shares) == 30 * 8 and shares[0] > 2 * shares[1]  # 30 steps of 8 windows, about 3 to 1
 
 
 def test_a_vocabulary_above_65536_is_prepared_as_uint32_and_trains(tmp_path):
@@ -532,6 +643,12 @@ def test_a_corpus_of_17_billion_tokens_gives_its_first_batch_without_listing_its
     length, firsts, peak_kib = json.loads(out.stdout.splitlines()[-1])
     assert length == windows and firsts == [1, 2, 3, 4]
     assert peak_kib < 1 << 20  # torch's sampler lists the epoch's 2**28 indices first: 2 GiB, then 10 as a list
+    # Mixed with another folder (data.sources): neither the epoch's order nor a source's is listed either.
+    mixed = reader.replace(f"path={str(huge)!r}", f"sources=[{{'path': {str(huge)!r}, 'weight': 1}}, "
+                                                   f"{{'path': {str(speeches)!r}, 'weight': 1}}]")
+    out = subprocess.run([sys.executable, "-c", mixed], cwd=ROOT, capture_output=True, text=True, check=True)
+    length, _, peak_kib = json.loads(out.stdout.splitlines()[-1])
+    assert length > windows and peak_kib < 1 << 20
 
 
 @pytest.mark.slow  # 13 s: two preparations and three launches; CI runs it

@@ -24,6 +24,7 @@ from torch.utils.data import ConcatDataset, Dataset
 
 from src.data.base import DataModule, model_size
 from src.data.preference import LongPairs
+from src.data.sampling import Permutation
 from src.data.tokenizer import REVISION
 from src.errors import UsageError
 from src.schema.signature import Arg
@@ -68,6 +69,50 @@ class MixedSamples(Dataset):
         size = len(self.sources[source])
         drawn = self.epoch * self.counts[source] + k  # how far along the source's endless walk
         return int(_permutation(self.seed, source, drawn // size, size)[drawn % size])
+
+
+class DrawnInComputedOrder(MixedSamples):
+    """MixedSamples whose sources are walked through orders computed as they go (src/data/sampling.py) rather than
+    permutations held in memory: sources of millions of samples (prepared shards, data=shards data.sources) keep
+    start-up and memory flat. The epoch reaches the sources too (their random windows or offsets)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        for source in self.sources:
+            if hasattr(source, "set_epoch"):
+                source.set_epoch(epoch)
+
+    def index_in(self, source: int, k: int) -> int:
+        size = len(self.sources[source])
+        drawn = self.epoch * self.counts[source] + k
+        order = Permutation(size, seed=self.seed * 1_000_003 + source)
+        order.set_epoch(drawn // size)  # each pass over the source its own order
+        with np.errstate(over="ignore"):
+            return int(order.permute(np.array([drawn % size], dtype=np.uint64))[0])
+
+    def samples_by_source(self, indices: np.ndarray) -> np.ndarray:
+        """How many of the samples at `indices` of an epoch each source gave (no sample read)."""
+        return np.bincount(np.searchsorted(self.starts, indices, side="right") - 1, minlength=len(self.sources))
+
+
+def weighted_sources(sources: list, keys: tuple[str, ...], shared: str) -> list[tuple[dict, float]]:
+    """data.sources as (source without its weight, weight), each checked: its keys among `keys`, a path and a
+    weight above 0. `shared` says which keys are the run's instead ("KEYS are the run's")."""
+    if not sources:
+        raise UsageError("data.sources is empty: give at least one {path: ..., weight: ...}")
+    checked = []
+    for i, source in enumerate(sources):
+        source = dict(source)
+        unknown = sorted(set(source) - set(keys))
+        if unknown or "path" not in source or "weight" not in source:
+            what = f"has no key {unknown[0]!r}" if unknown else "needs a path and a weight"
+            raise UsageError(f"data.sources[{i}] {what}; a source's keys: {', '.join(keys)} (path and weight "
+                             f"mandatory; {shared}, data.KEY)")
+        weight = source.pop("weight")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise UsageError(f"data.sources[{i}].weight={weight}: a number above 0 (relative to the others)")
+        checked.append((source, float(weight)))
+    return checked
 
 
 @functools.lru_cache(maxsize=64)
@@ -120,19 +165,9 @@ class Mixture(DataModule):
 
         from src.data.hf_dataset import HFDataset
 
-        if not sources:
-            raise UsageError("data.sources is empty: give at least one {path: ..., weight: ...}")
         built, weights = [], []
-        for i, source in enumerate(sources):
-            source = dict(source)
-            unknown = sorted(set(source) - set(SOURCE_KEYS))
-            if unknown or "path" not in source or "weight" not in source:
-                what = f"has no key {unknown[0]!r}" if unknown else "needs a path and a weight"
-                raise UsageError(f"data.sources[{i}] {what}; a source's keys: {', '.join(SOURCE_KEYS)} (path and "
-                                 "weight mandatory; block_size, tokenizer and packing are the run's, data.KEY)")
-            weight = source.pop("weight")
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-                raise UsageError(f"data.sources[{i}].weight={weight}: a number above 0 (relative to the others)")
+        for i, (source, weight) in enumerate(weighted_sources(sources, SOURCE_KEYS,
+                                                              "block_size, tokenizer and packing are the run's")):
             try:
                 built.append(HFDataset(block_size=block_size, tokenizer=tokenizer,
                                        tokenizer_revision=tokenizer_revision, packing=packing,
@@ -141,7 +176,7 @@ class Mixture(DataModule):
                                        **source))
             except UsageError as error:  # its keys are data.KEY to it: say which source
                 raise UsageError(f"data.sources[{i}] ({source['path']}): {error}") from None
-            weights.append(float(weight))
+            weights.append(weight)
         total = samples_per_epoch or sum(len(b.train) for b in built)
         counts = shares(weights, total)
         self.codec, self.collate_fn = built[0].codec, built[0].collate_fn

@@ -13,6 +13,7 @@ that a run decodes, samples and exports without the source.
 import bisect
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -273,11 +274,20 @@ class ShardData(WindowStream):
     documents, as data=tokens cuts them, over every training shard end to end; with data.packing=true whole
     documents packed into blocks, each attending to itself only; with false one document per sample, padded.
     Validation is the documents the preparation held out. With label masks (prompt/completion, chats), the masked
-    tokens are no targets. Targets are the next tokens already (objective=cross_entropy, the default)."""
+    tokens are no targets. Targets are the next tokens already (objective=cross_entropy, the default). With
+    data.sources instead of data.path, several folders (one tokenizer) read alike, mixed by weight."""
 
     def __init__(
         self,
-        path: Annotated[str, Arg("a folder of token shards that scripts/prepare_data.py wrote")],
+        path: Annotated[Optional[str], Arg("a folder of token shards that scripts/prepare_data.py wrote (null: "
+                                           "data.sources)")] = None,
+        sources: Annotated[Optional[list], Arg(
+            "several prepared folders in one run instead of data.path, each a mapping {path: FOLDER, weight: W}: "
+            "an epoch draws from each in proportion to its weight (the same tokenizer for all; every other key "
+            "is the run's)")] = None,
+        samples_per_epoch: Annotated[Optional[int], Arg(
+            "with data.sources: the samples an epoch draws (null: as many as the sources hold together)", ge=1)
+        ] = None,
         packing: Annotated[Union[bool, Literal["cross_document"]], Arg(
             "cross_document: windows of block_size across documents (pretraining); true: whole documents packed "
             "into blocks of block_size, each attending to itself only (trains as padded documents do); false: one "
@@ -293,6 +303,15 @@ class ShardData(WindowStream):
         **stream,
     ):
         super().__init__(**stream)
+        if (path is None) == (sources is None):
+            raise UsageError("data=shards reads data.path (a prepared folder) or data.sources (several, each "
+                             "{path: FOLDER, weight: W}): give one of them" + (", not both" if path else ""))
+        if sources is not None:
+            self._mix(sources, samples_per_epoch, stream, packing=packing, long_documents=long_documents,
+                      preference=preference, long_pairs=long_pairs)
+            return
+        if samples_per_epoch is not None:
+            raise UsageError("data.samples_per_epoch is for data.sources (an epoch of one folder is all of it)")
         self.folder = Path(path).expanduser()
         self.manifest = read_manifest(self.folder)
         if preference or self.manifest.get("sample", "").startswith("preference pairs"):
@@ -374,6 +393,62 @@ class ShardData(WindowStream):
         self.codec = Codec.load(self.folder)
         self.source_files = self._files_read(("", ".index"))
 
+    def _mix(self, sources: list, samples_per_epoch: Optional[int], stream: dict, **shared) -> None:
+        """data.sources: each folder read as data.path reads one, with the run's keys; an epoch draws from each in
+        proportion to its weight, in orders computed as they go (src/data/mixture.py: DrawnInComputedOrder)."""
+        from accelerate import PartialState
+
+        from src.data.mixture import DrawnInComputedOrder, shares, weighted_sources
+
+        parts, weights = [], []
+        checked = weighted_sources(sources, ("path", "weight"), "every other key is the run's")
+        for i, (source, weight) in enumerate(checked):
+            try:
+                parts.append(ShardData(path=str(source["path"]), **shared, **stream))
+            except UsageError as error:
+                raise UsageError(f"data.sources[{i}] ({source['path']}): {error}") from None
+            weights.append(weight)
+        for i, part in enumerate(parts[1:], 1):
+            if part.manifest["tokenizer"] != parts[0].manifest["tokenizer"]:
+                raise UsageError(f"data.sources[{i}] ({sources[i]['path']}) was prepared with another tokenizer than "
+                                 f"data.sources[0] ({sources[0]['path']}): the same ids would mean other tokens; "
+                                 "prepare every source with one tokenizer (scripts/prepare_data.py --tokenizer)")
+        if shared["preference"]:  # every pair its own number (a precomputed reference's table)
+            numbered = [part.train for part in parts] + [part.val for part in parts]
+            for before, pairs in zip(numbered, numbered[1:]):
+                pairs.first_index = before.first_index + len(before)
+        total = samples_per_epoch or sum(len(part.train) for part in parts)
+        counts = shares(weights, total)
+        self.train = DrawnInComputedOrder([part.train for part in parts], counts, self.seed)
+        self.val = torch.utils.data.ConcatDataset([part.val for part in parts])
+        self.manifest, self.codec, self.collate_fn = parts[0].manifest, parts[0].codec, parts[0].collate_fn
+        self.attends_per_document = parts[0].attends_per_document
+        self.paths = [str(source["path"]) for source in sources]
+        self.windows = isinstance(parts[0].train, MaskedWindows)  # every sample block_size tokens
+        self.source_files = {f"source {i} {name}": file for i, part in enumerate(parts)
+                             for name, file in part.source_files.items()}
+        for i, (part, count) in enumerate(zip(parts, counts) if PartialState().is_main_process else []):
+            log.info("data.sources[%d] %s: weight %g, %d of an epoch's %d samples (%.1f%%; it holds %d)", i,
+                     self.paths[i], weights[i], count, total, 100 * count / total, len(part.train))
+
+    def consumed(self, loader, state, epoch_samples: Optional[int]) -> dict[str, int]:
+        """data.sources: the samples each source gave the run (windows of block_size tokens, or documents, blocks
+        or pairs), from the run's order of every epoch so far: no sample is read."""
+        from accelerate import PartialState
+
+        if not hasattr(self, "paths") or not PartialState().is_main_process or loader.dataset is not self.train:
+            return {}
+        samples = np.zeros(len(self.paths), dtype=np.int64)
+        order = self.train_sampler(self.train)  # the run's order: a function of (seed, epoch) alone
+        for epoch in range(state.epoch + 1):
+            order.set_epoch(epoch)
+            taken = epoch_samples if epoch < state.epoch else state.samples_into_epoch
+            samples += self.train.samples_by_source(
+                np.fromiter(itertools.islice(iter(order), taken), dtype=np.int64, count=taken))
+        unit = f"windows of {self.block_size} tokens" if self.windows else "samples"
+        return {f"{unit} from data.sources[{i}] ({path})": int(n) for i, (path, n) in enumerate(zip(self.paths,
+                                                                                                   samples))}
+
     def train_sampler(self, dataset) -> Permutation:
         # Millions of windows: an order computed as the loader goes, not a list of the epoch (src/data/sampling.py).
         return Permutation(len(dataset), self.seed)
@@ -383,7 +458,10 @@ class ShardData(WindowStream):
         return self.manifest["vocab_size"]
 
     def fingerprint(self) -> dict:
-        return {**super().fingerprint(), "vocabulary": self.manifest["tokenizer"]}
+        found = {**super().fingerprint(), "vocabulary": self.manifest["tokenizer"]}
+        if hasattr(self, "paths"):  # data.sources: how an epoch shares itself among them (weights, epoch size)
+            found["samples an epoch draws from each source"] = list(self.train.counts)
+        return found
 
     def decode(self, ids: list[int]) -> str:
         return self.codec.decode(ids)
