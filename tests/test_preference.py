@@ -627,14 +627,15 @@ def test_a_compiled_step_on_pairs_compiles_once_for_every_micro_batch_and_sums_t
             torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("reference, packing", [("copy", "false"), ("precomputed", "true")])
-def test_dpo_steps_make_no_host_reads_between_logging_steps(tmp_path, reference, packing):
-    """The reference's pass, the pairs' metrics and the second loss term stay on the device, and so does reading
-    packed answers back: as for every objective, the host reads a step's results only at steps that log, evaluate
-    or save (tests/host_reads.py). On the template's GPT: a transformers model reads its padding mask on the host
-    itself (masking_utils)."""
+@pytest.mark.parametrize("reference, packing, chunk_tokens", [("copy", "false", "24"), ("precomputed", "true", "null")])
+def test_dpo_steps_make_no_host_reads_between_logging_steps(tmp_path, reference, packing, chunk_tokens):
+    """The reference's pass, the pairs' metrics and the second loss term stay on the device, and so do reading
+    packed answers back and computing log-probabilities in chunks through the output layer: as for every objective,
+    the host reads a step's results only at steps that log, evaluate or save (tests/host_reads.py). On the
+    template's GPT: a transformers model reads its padding mask on the host itself (masking_utils)."""
     run([*TINY_GPT, "model.block_size=64", "data=jsonl", f"data.path={short_pairs(tmp_path / 'pairs.jsonl')}",
          "data.preference=true", f"data.packing={packing}", "objective=dpo", f"objective.reference={reference}",
+         f"objective.chunk_tokens={chunk_tokens}",
          "trainer.max_steps=12", "trainer.log_every=5", "trainer.eval_every=6",
          "trainer.checkpoint_every=4", "trainer.eval_batches=2", "data.batch_size=4", "optimizer.fused=true",
          "trainer.gradient_accumulation_steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
@@ -644,13 +645,14 @@ def test_dpo_steps_make_no_host_reads_between_logging_steps(tmp_path, reference,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reference, packing", [("copy", "false"), ("precomputed", "true")])
-def test_dpo_steps_make_no_cuda_sync_in_bf16_compiled_training(tmp_path, reference, packing):
+@pytest.mark.parametrize("reference, packing, chunk_tokens", [("copy", "false", "24"), ("precomputed", "true", "null")])
+def test_dpo_steps_make_no_cuda_sync_in_bf16_compiled_training(tmp_path, reference, packing, chunk_tokens):
     """On a GPU, the same as the host-read test above with CUDA's own sync detector set to raise: the reference's
-    pass under autocast, the table lookup, packed answers read back and the metrics' sums never wait for the
-    device."""
+    pass under autocast, the table lookup, packed answers read back, chunked log-probabilities and the metrics'
+    sums never wait for the device."""
     run([*TINY_GPT, "model.block_size=64", "data=jsonl", f"data.path={short_pairs(tmp_path / 'pairs.jsonl')}",
          "data.preference=true", f"data.packing={packing}", "objective=dpo", f"objective.reference={reference}",
+         f"objective.chunk_tokens={chunk_tokens}",
          "trainer.max_steps=12", "trainer.log_every=5", "trainer.eval_every=6",
          "trainer.checkpoint_every=4", "trainer.eval_batches=2", "data.batch_size=4", "optimizer.fused=true",
          "trainer.mixed_precision=bf16", "trainer.compile=true", f"hydra.run.dir={tmp_path / 'run'}"],
