@@ -119,8 +119,9 @@ def test_chunked_evaluation_gives_the_metrics_of_the_whole_logits_for_a_transfor
     assert_same_metrics(model, CausalLM(), CausalLM(chunk_tokens=10), {"input_ids": ids}, labels)
 
 
-def test_a_model_that_changes_its_logits_after_the_output_layer_is_refused_naming_the_key():
-    """As Gemma's soft-capping or a logit scale would: the loss computed inside the output layer would be wrong."""
+def llama_that_scales_its_logits():
+    """A tiny Llama whose logits are doubled after its output layer, as Gemma's soft-capping or a logit scale change
+    them: a loss computed inside the output layer would be wrong."""
     model = tiny_llama()
     plain_forward = type(model).forward
 
@@ -131,6 +132,11 @@ def test_a_model_that_changes_its_logits_after_the_output_layer_is_refused_namin
             return out
 
     model.__class__ = ScalesItsLogits
+    return model
+
+
+def test_a_model_that_changes_its_logits_after_the_output_layer_is_refused_naming_the_key():
+    model = llama_that_scales_its_logits()
     ids = torch.randint(0, VOCAB, (2, 24))
     prompted = ids.clone()
     prompted[:, :20] = -100  # a prompt longer than the tokens the check reads: it still reads tokens that count
@@ -270,19 +276,10 @@ def test_chunked_answer_log_probabilities_compile_to_the_same_loss_and_gradients
         assert got[2] == pytest.approx(expected[2], rel=1e-6, abs=1e-5)
 
 
-def test_a_model_that_changes_its_logits_after_the_output_layer_is_refused_with_preference_pairs(pretrained):
+def test_a_model_that_changes_its_logits_after_the_output_layer_is_refused_with_preference_pairs():
     from src.objectives.preference import SimPO
 
-    model = tiny_llama()
-    plain_forward = type(model).forward
-
-    class ScalesItsLogits(type(model)):
-        def forward(self, *args, **kwargs):
-            out = plain_forward(self, *args, **kwargs)
-            out.logits = out.logits * 2
-            return out
-
-    model.__class__ = ScalesItsLogits
+    model = llama_that_scales_its_logits()
     ids = torch.randint(0, VOCAB, (4, 24))
     labels = ids.clone()
     labels[:, :10] = -100
