@@ -38,3 +38,14 @@ def test_the_first_index_of_an_epoch_of_a_trillion_samples_is_drawn_without_list
     sampler = Permutation(2**40, seed=1)
     first = next(iter(sampler))
     assert 0 <= first < 2**40  # torch's sampler would first list the 2**40 indices: 8 TiB
+
+
+def test_one_position_drawn_alone_is_where_the_epochs_order_puts_it():
+    """at(k), in Python integers for a mixture's one sample at a time, is the vectorised order's k-th index."""
+    for n, seed, epoch in ((1, 0, 0), (17, 3, 2), (65537, 7, 1), (2**40 + 3, 1, 5)):
+        sampler = Permutation(n, seed)
+        sampler.set_epoch(epoch)
+        positions = np.unique(np.random.default_rng(n).integers(0, n, 200, dtype=np.uint64))
+        with np.errstate(over="ignore"):
+            expected = sampler.permute(positions).tolist()
+        assert [sampler.at(int(k)) for k in positions] == expected

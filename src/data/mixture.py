@@ -76,6 +76,10 @@ class DrawnInComputedOrder(MixedSamples):
     permutations held in memory: sources of millions of samples (prepared shards, data=shards data.sources) keep
     start-up and memory flat. The epoch reaches the sources too (their random windows or offsets)."""
 
+    def __init__(self, sources: list[Dataset], counts: list[int], seed: int):
+        super().__init__(sources, counts, seed)
+        self.orders = [Permutation(len(source), seed=seed * 1_000_003 + i) for i, source in enumerate(sources)]
+
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
         for source in self.sources:
@@ -85,10 +89,9 @@ class DrawnInComputedOrder(MixedSamples):
     def index_in(self, source: int, k: int) -> int:
         size = len(self.sources[source])
         drawn = self.epoch * self.counts[source] + k
-        order = Permutation(size, seed=self.seed * 1_000_003 + source)
+        order = self.orders[source]
         order.set_epoch(drawn // size)  # each pass over the source its own order
-        with np.errstate(over="ignore"):
-            return int(order.permute(np.array([drawn % size], dtype=np.uint64))[0])
+        return order.at(drawn % size)
 
     def samples_by_source(self, indices: np.ndarray) -> np.ndarray:
         """How many of the samples at `indices` of an epoch each source gave (no sample read)."""
