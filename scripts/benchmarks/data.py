@@ -12,7 +12,8 @@ tokenizing it at the start of a run.
   beside it data=hf_dataset on the synthetic corpus, the same measure (tokenizing inside the run).
 - The loader against the model: the summary's data wait per step (time the loop waited for a batch) of a run at
   the default GPT's shape and block, on the large shards.
-- The host's time per GPU-sized step in the loader (in the process, with workers, read ahead by a thread), and
+- The host's time per GPU-sized step in the loader (in the process, with workers, read ahead by a thread; and
+  in the process from a mixture of two folders, data.sources, whose draws compute each source's order), and
   whether the reading thread slows the training thread's own host work (a GPU's kernel launches; a tiny model's
   eager step stands in for them).
 - Preference pairs (`--pairs`, data/shakespeare_pairs.jsonl repeated, each prompt numbered): prepared with
@@ -395,6 +396,11 @@ def data(args) -> dict:
                 shards = ShardData(path=str(prepared), block_size=1024, batch_size=12, random_windows=True, **loader)
                 report[f"host time per step, data=shards, 5 x 12 x 1024, {name}"] = host_ms_per_step(
                     shards, 60, 5, 0.139, read_ahead=loader.get("read_ahead", False))
+            for name, loader in (("0 workers", {}), ("data.read_ahead=true", {"read_ahead": True})):
+                mixed = ShardData(sources=[{"path": str(prepared), "weight": 3}, {"path": str(prepared), "weight": 1}],
+                                  block_size=1024, batch_size=12, random_windows=True, **loader)  # one folder twice
+                report[f"host time per step, data=shards data.sources (2 folders), 5 x 12 x 1024, {name}"] = (
+                    host_ms_per_step(mixed, 60, 5, 0.139, read_ahead=loader.get("read_ahead", False)))
             report["host work per step beside the reader"] = launches_beside_the_reader(prepared, args.launch_rounds)
         if "pairs" in parts:
             report.update(preference_pairs(tmp, tokenizer, args.pairs))
