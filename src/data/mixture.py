@@ -7,15 +7,15 @@ Each source is read as `data=hf_dataset` reads one (src/data/hf_dataset.py), wit
 prompt_column, split, val_split, subset, val_fraction) and the run's shared ones (block_size, tokenizer, packing).
 An epoch of the mixture is `samples_per_epoch` samples (null: as many as the sources hold together), each source's
 share of them as its weight says. Which of a source's samples an epoch takes is a function of (seed, source,
-epoch) alone: each source is walked through seeded permutations of itself, an epoch taking the next share, so a
-source drawn less than its size shows other samples each epoch, and one drawn more repeats only after a whole
-pass. The mixture is then one map-style dataset like any other: shuffled by the run's seeded sampler, resumed
-bitwise, on another number of processes too, and fingerprinted source by source (every source's files). The
-validation split is every source's, whole.
+epoch) alone: each source is walked through seeded orders of itself, computed as they go (no permutation held:
+flat memory however large the source), an epoch taking the next share, so a source drawn less than its size
+shows other samples each epoch, and one drawn more repeats only after a whole pass. The mixture is then one
+map-style dataset like any other: shuffled by the run's seeded sampler, resumed bitwise, on another number of
+processes too, and fingerprinted source by source (every source's files). The validation split is every
+source's, whole.
 """
 
 import bisect
-import functools
 import logging
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -36,14 +36,21 @@ SOURCE_KEYS = ("path", "weight", "text_column", "prompt_column", "split", "val_s
 
 
 class MixedSamples(Dataset):
-    """One epoch of the mixture: `counts[i]` samples of source i, drawn from its seeded permutations."""
+    """One epoch of the mixture: `counts[i]` samples of source i, walked through orders computed as they go
+    (src/data/sampling.py: Permutation, one per source), not permutations held in memory: sources of millions of
+    samples (prepared shards, data=shards data.sources) keep start-up and memory flat. The epoch reaches the
+    sources too (their random windows or offsets)."""
 
     def __init__(self, sources: list[Dataset], counts: list[int], seed: int):
         self.sources, self.counts, self.seed, self.epoch = sources, counts, seed, 0
         self.starts = np.cumsum([0, *counts]).tolist()  # where each source's share begins in the epoch
+        self.orders = [Permutation(len(source), seed=seed * 1_000_003 + i) for i, source in enumerate(sources)]
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        for source in self.sources:
+            if hasattr(source, "set_epoch"):
+                source.set_epoch(epoch)
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -51,6 +58,18 @@ class MixedSamples(Dataset):
     def __getitem__(self, index: int) -> Any:
         source = bisect.bisect_right(self.starts, index) - 1
         return self.sources[source][self.index_in(source, index - self.starts[source])]
+
+    def index_in(self, source: int, k: int) -> int:
+        """The sample of `source` at place k of its share in this epoch."""
+        size = len(self.sources[source])
+        drawn = self.epoch * self.counts[source] + k  # how far along the source's endless walk
+        order = self.orders[source]
+        order.set_epoch(drawn // size)  # each pass over the source its own order
+        return order.at(drawn % size)
+
+    def samples_by_source(self, indices: np.ndarray) -> np.ndarray:
+        """How many of the samples at `indices` of an epoch each source gave (no sample read)."""
+        return np.bincount(np.searchsorted(self.starts, indices, side="right") - 1, minlength=len(self.sources))
 
     def tokens_by_source(self, indices: np.ndarray, lengths: dict[tuple[int, int], int]) -> np.ndarray:
         """The tokens of the samples at `indices` of this epoch, summed per source. `lengths` remembers each
@@ -63,39 +82,6 @@ class MixedSamples(Dataset):
                 lengths[key] = sample_tokens(self.sources[source][key[1]])
             tokens[source] += lengths[key]
         return tokens
-
-    def index_in(self, source: int, k: int) -> int:
-        """The sample of `source` at place k of its share in this epoch."""
-        size = len(self.sources[source])
-        drawn = self.epoch * self.counts[source] + k  # how far along the source's endless walk
-        return int(_permutation(self.seed, source, drawn // size, size)[drawn % size])
-
-
-class DrawnInComputedOrder(MixedSamples):
-    """MixedSamples whose sources are walked through orders computed as they go (src/data/sampling.py) rather than
-    permutations held in memory: sources of millions of samples (prepared shards, data=shards data.sources) keep
-    start-up and memory flat. The epoch reaches the sources too (their random windows or offsets)."""
-
-    def __init__(self, sources: list[Dataset], counts: list[int], seed: int):
-        super().__init__(sources, counts, seed)
-        self.orders = [Permutation(len(source), seed=seed * 1_000_003 + i) for i, source in enumerate(sources)]
-
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        for source in self.sources:
-            if hasattr(source, "set_epoch"):
-                source.set_epoch(epoch)
-
-    def index_in(self, source: int, k: int) -> int:
-        size = len(self.sources[source])
-        drawn = self.epoch * self.counts[source] + k
-        order = self.orders[source]
-        order.set_epoch(drawn // size)  # each pass over the source its own order
-        return order.at(drawn % size)
-
-    def samples_by_source(self, indices: np.ndarray) -> np.ndarray:
-        """How many of the samples at `indices` of an epoch each source gave (no sample read)."""
-        return np.bincount(np.searchsorted(self.starts, indices, side="right") - 1, minlength=len(self.sources))
 
 
 def weighted_sources(sources: list, keys: tuple[str, ...], shared: str) -> list[tuple[dict, float]]:
@@ -116,11 +102,6 @@ def weighted_sources(sources: list, keys: tuple[str, ...], shared: str) -> list[
             raise UsageError(f"data.sources[{i}].weight={weight}: a number above 0 (relative to the others)")
         checked.append((source, float(weight)))
     return checked
-
-
-@functools.lru_cache(maxsize=64)
-def _permutation(seed: int, source: int, lap: int, size: int) -> np.ndarray:
-    return np.random.default_rng([seed, source, lap]).permutation(size)
 
 
 def sample_tokens(sample: dict) -> int:

@@ -395,10 +395,10 @@ class ShardData(WindowStream):
 
     def _mix(self, sources: list, samples_per_epoch: Optional[int], stream: dict, **shared) -> None:
         """data.sources: each folder read as data.path reads one, with the run's keys; an epoch draws from each in
-        proportion to its weight, in orders computed as they go (src/data/mixture.py: DrawnInComputedOrder)."""
+        proportion to its weight, in orders computed as they go (src/data/mixture.py: MixedSamples)."""
         from accelerate import PartialState
 
-        from src.data.mixture import DrawnInComputedOrder, shares, weighted_sources
+        from src.data.mixture import MixedSamples, shares, weighted_sources
 
         parts, weights = [], []
         checked = weighted_sources(sources, ("path", "weight"), "every other key is the run's")
@@ -419,7 +419,7 @@ class ShardData(WindowStream):
                 pairs.first_index = before.first_index + len(before)
         total = samples_per_epoch or sum(len(part.train) for part in parts)
         counts = shares(weights, total)
-        self.train = DrawnInComputedOrder([part.train for part in parts], counts, self.seed)
+        self.train = MixedSamples([part.train for part in parts], counts, self.seed)
         self.val = torch.utils.data.ConcatDataset([part.val for part in parts])
         self.manifest, self.codec, self.collate_fn = parts[0].manifest, parts[0].codec, parts[0].collate_fn
         self.attends_per_document = parts[0].attends_per_document
