@@ -57,6 +57,8 @@ TINY_GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block
 # third of a tiny run); a test's own trainer.eval_batches, given later, wins.
 EVAL_BOUND = "trainer.eval_batches=4"
 QUIET = ["trainer.log_every=1", "trainer.eval_every=0", EVAL_BOUND]
+# start()'s and run()'s keys for train.py under accelerate's FSDP2 plugin on CPU processes (tests/fsdp_on_cpu.py).
+FSDP_ON_CPU = {"script": "tests/fsdp_on_cpu.py", "launcher": "fsdp"}
 
 
 def free_port() -> int:

@@ -110,7 +110,10 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
       "--log-every", "2"],
      lambda r: r["packed over padded, step time"] * (r["ours lora, padded"]["model_tokens_per_step"]
                                                     > r["ours lora, packed"]["model_tokens_per_step"])),
-], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data", "preference", "preference-packing"])
+    (["optimizers", "trainer.log_every=1", "--steps", "3", "--seeds", "1", "--variants", "optimizer=adamw", "optimizer=muon"],
+     lambda r: r["optimizer=muon: mean"]["full_val_loss"] * r["optimizer=adamw: mean"]["ms_per_step"]),
+], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data", "preference", "preference-packing",
+        "optimizers"])
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
     args = [*command, "--dir", str(tmp_path)] if command[0] in ("checkpoint", "scale") else command

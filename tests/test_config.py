@@ -62,7 +62,7 @@ def test_every_config_option_composes_completes_and_passes_its_checks(override):
 def test_optimizer_and_scheduler_options_build_with_what_train_py_passes():
     import torch
 
-    model = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Linear(4, 2))  # a hidden matrix, for muon
     for opt_name in options("optimizer"):
         for sched_name in options("scheduler"):
             cfg = complete_config(compose_train([f"optimizer={opt_name}", f"scheduler={sched_name}"]))

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from src.data.tokenizer import Codec
 from src.errors import UsageError
 from src.models.gpt import GPT
-from tests.conftest import QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, named, run, scalars
+from tests.conftest import FSDP_ON_CPU, QUIET, ROOT, TINY_GPT, exported_weights, max_abs_diff, named, run, scalars
 
 pytest.importorskip("lm_eval")
 
@@ -25,7 +25,6 @@ PERPLEXITY = "eval_tasks/shakespeare_perplexity/bits_per_byte"
 ARGS = [*TINY_GPT, *QUIET, "model.dropout=0.1", "data.batch_size=8", "trainer.max_steps=4", "trainer.monitor=null"]
 WITH_TASKS = [f"trainer.eval_tasks=[{TASK},data/eval_tasks/shakespeare_perplexity.yaml]", "trainer.eval_tasks_every=2",
               "trainer.eval_tasks_limit=36", "trainer.eval_tasks_batch_size=4", "trainer.eval_on_start=true"]
-FSDP_ON_CPU = {"script": "tests/fsdp_on_cpu.py", "launcher": "fsdp"}
 
 
 @pytest.fixture(scope="module")

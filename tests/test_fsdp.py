@@ -17,6 +17,7 @@ import pytest
 from src.checkpointing.export import load_exported_model
 from src.launch.memory import gib
 from tests.conftest import (
+    FSDP_ON_CPU,
     GPU_ENV,
     GPUS,
     PRETRAINED_VOCAB,
@@ -33,7 +34,6 @@ from tests.conftest import (
 )
 from tests.test_no_pickles import plain_files_only
 
-FSDP_ON_CPU = {"script": "tests/fsdp_on_cpu.py", "launcher": "fsdp"}
 # Global batch 16: 4 samples x 2 processes x 2 micro-steps; sharded checkpoints at steps 4, 8 and 12.
 ARGS = [*TINY_GPT, *QUIET, "data.batch_size=4", "trainer.gradient_accumulation_steps=2", "trainer.max_steps=12",
         "trainer.checkpoint_every=4", "trainer.monitor=null", "scheduler.warmup_steps=4"]

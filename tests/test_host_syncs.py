@@ -31,6 +31,12 @@ def test_optimizer_steps_make_no_host_reads_between_logging_steps(tmp_path, npro
         assert not any(reads.values()), {step: r for step, r in reads.items() if r}
 
 
+def test_muon_steps_make_no_host_reads_between_logging_steps(tmp_path):
+    """Muon's Newton-Schulz and its per-matrix rates (shapes, not values) stay on the device; AdamW's half fused."""
+    for reads in reads_per_step(tmp_path, ["optimizer=muon", "trainer.gradient_accumulation_steps=2"], nproc=2):
+        assert not any(reads.values()), {step: r for step, r in reads.items() if r}
+
+
 def test_skip_mode_reads_its_verdict_every_step_when_the_optimizer_cannot_skip_on_the_device(tmp_path):
     """The counterpart, which also shows the watch sees reads: without found_inf, skip must know at once."""
     (reads,) = reads_per_step(tmp_path, ["trainer.nonfinite=skip", "optimizer.fused=false"])
@@ -38,8 +44,10 @@ def test_skip_mode_reads_its_verdict_every_step_when_the_optimizer_cannot_skip_o
 
 
 @pytest.mark.gpu
-def test_optimizer_steps_make_no_cuda_sync_in_bf16_compiled_training(tmp_path):
-    (reads,) = reads_per_step(tmp_path, ["trainer.mixed_precision=bf16", "trainer.compile=true"],
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_optimizer_steps_make_no_cuda_sync_in_bf16_compiled_training(tmp_path, optimizer):
+    (reads,) = reads_per_step(tmp_path, ["trainer.mixed_precision=bf16", "trainer.compile=true",
+                                         f"optimizer={optimizer}"],
                               env={**GPU_ENV, "HOST_READS_CUDA_SYNC": "error"})
     assert not any(reads.values()), reads
     assert "device                      : cuda" in (tmp_path / "run" / "train.log").read_text()

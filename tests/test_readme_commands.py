@@ -62,6 +62,7 @@ RUN = [
      "--workers 32 --tasks 64", {**FINEWEB_HERE, "--workers 32 ": "--workers 2 "}, []),
     ("accelerate launch train.py experiment=fineweb_gpt2 trainer.gradient_accumulation_steps=8",
      {"accumulation_steps=8": "accumulation_steps=2"}, [*TINY, *STEPS, "data.batch_size=4", "trainer.compile=false"]),
+    ("accelerate launch train.py experiment=nanogpt_shakespeare_char optimizer=muon", {}, [*STEPS]),
     ("accelerate launch train.py hydra.run.dir=outputs/my_run resume=auto", {}, [*TINY, *STEPS]),
     ("accelerate launch train.py resume=outputs/my_run/checkpoints/step_00000500 hydra.run.dir=outputs/fork",
      {"step_00000500": "step_00000002"}, [*TINY, *STEPS, "trainer.max_steps=3"]),

@@ -17,7 +17,7 @@ from src.schema.signature import check_values, chosen_option, complete, locate, 
 from src.schema.trainer import LRScaling, TrainerConfig
 
 # Group -> the parameters train.py passes when it builds it (so the config must not).
-GROUPS = {"model": (), "data": (), "objective": (), "optimizer": ("params",), "scheduler": ("optimizer",)}
+GROUPS = {"model": (), "data": (), "objective": (), "optimizer": ("params", "model"), "scheduler": ("optimizer",)}
 
 
 def base_config() -> DictConfig:
