@@ -127,11 +127,12 @@ def muon_with_adamw(model: nn.Module, groups: list[dict], muon: dict[str, Any], 
         raise UsageError(f"optimizer=muon: {type(model).__name__} has no hidden matrices to give Muon (2-D "
                          f"weights other than {', '.join(kept.values()) or 'none'}, which stay with AdamW): use "
                          f"optimizer=adamw")
-    counts = {algorithm: sum(p.numel() for g in split if g["algorithm"] == algorithm for p in g["params"])
-              for algorithm in ALGORITHMS}
-    log.info("optimizer=muon: Muon on %d hidden matrices (%s parameters), AdamW on %d other tensors (%s: %s, "
-             "1-D and other tensors)",
-             sum(len(g["params"]) for g in split if g["algorithm"] == "muon"), f"{counts['muon']:,}",
-             sum(len(g["params"]) for g in split if g["algorithm"] == "adamw"), f"{counts['adamw']:,}",
-             ", ".join(kept.values()) or "no embedding or output layer found")
+    trained = {id(p) for group in groups for p in group["params"]}
+    tensors = {algorithm: [p for g in split if g["algorithm"] == algorithm for p in g["params"]]
+               for algorithm in ALGORITHMS}
+    log.info("optimizer=muon: Muon on %d hidden matrices (%s parameters), AdamW on %d other tensors (%s parameters; "
+             "the embeddings and output layer among them: %s)",
+             len(tensors["muon"]), f"{sum(p.numel() for p in tensors['muon']):,}",
+             len(tensors["adamw"]), f"{sum(p.numel() for p in tensors['adamw']):,}",
+             ", ".join(name for key, name in kept.items() if key in trained) or "none trained")
     return MuonWithAdamW(split, {"muon": muon, "adamw": adamw})
