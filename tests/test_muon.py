@@ -95,6 +95,37 @@ def test_muon_resumed_from_its_pickle_free_state_continues_bitwise(tmp_path):
                and "momentum_buffer" in state)
 
 
+def one_rank_of_a_shared_step(rank: int, processes: int, init_file: str, out: str) -> None:
+    """A DDP rank's Muon step: the same gradients as every rank (as after DDP's all-reduce), its Newton-Schulz
+    calls counted."""
+    import src.optim.muon as muon_module
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=processes)
+    calls, orthogonalise = [], muon_module._zeropower_via_newtonschulz
+    muon_module._zeropower_via_newtonschulz = lambda grad, *args: calls.append(grad.shape) or orthogonalise(grad,
+                                                                                                           *args)
+    model = template_gpt()
+    optimizer = muon(param_groups(model), model=model, lr=1e-2)
+    train_steps(model, [optimizer], 2)
+    torch.save({"calls": len(calls), "weights": dict(model.named_parameters())}, f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_ranks_share_the_newton_schulz_work_and_apply_the_bits_one_process_computes(tmp_path):
+    """Two DDP ranks each orthogonalise half of the matrices and broadcast them: the weights are bitwise those of
+    one process computing every one."""
+    alone = template_gpt()
+    train_steps(alone, [muon(param_groups(alone), model=alone, lr=1e-2)], 2)
+    out = str(tmp_path / "rank")
+    torch.multiprocessing.spawn(one_rank_of_a_shared_step, args=(2, str(tmp_path / "init"), out), nprocs=2)
+    ranks = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
+
+    matrices = sum(p.ndim == 2 for name, p in alone.named_parameters() if "emb" not in name)
+    assert [r["calls"] for r in ranks] == [matrices, matrices]  # 2 steps, half the matrices each
+    for r in ranks:
+        assert max_abs_diff(r["weights"], dict(alone.named_parameters())) == 0
+
+
 def test_a_model_without_hidden_matrices_is_refused_naming_what_muon_leaves_to_adamw():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
     with pytest.raises(UsageError, match=r"no hidden matrices.*0.weight, 1.weight.*optimizer=adamw"):

@@ -9,15 +9,18 @@ learning-rate schedule (which scales every group's rate alike), gradient clippin
 (src/checkpointing/plain_state.py) and a resume. Its param_groups are the union of both optimizers' groups (each
 naming its `algorithm`) and its state is the one dict both update, so state_dict/load_state_dict are torch's own.
 
-Under FSDP2 each matrix is sharded across ranks, and its update is orthogonalised whole (WholeMatrixMuon): a
-rank gathers the update of one matrix at a time, runs Newton-Schulz on it as one process would, and keeps its
-shard. Every rank repeats that work (as every DDP rank does); the memory beyond the shards is one matrix.
+Newton-Schulz is most of Muon's cost (WholeMatrixMuon). Under DDP the ranks share it: each orthogonalises every
+N-th matrix and broadcasts the results, applying the bits one process would compute. Under FSDP2 each matrix is
+sharded across ranks, and its update is orthogonalised whole: a rank gathers one matrix's update at a time, runs
+Newton-Schulz on it as one process would, and keeps its shard (every rank repeats that work; the memory beyond
+the shards is one matrix).
 """
 
 import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
@@ -28,15 +31,22 @@ log = logging.getLogger(__name__)
 
 
 class WholeMatrixMuon(torch.optim.Muon):
-    """torch's Muon, each sharded matrix (an FSDP2 DTensor) orthogonalised whole: its update gathered, Newton-Schulz
-    run on it as on one process, this rank's shard kept. torch's Muon would run Newton-Schulz on the DTensors: the
-    same maths, but its matrix products reduce bf16 partial sums across ranks at every iteration (measured: 5e-5
-    apart from one process after one step where DDP is bitwise) and communicate at each. The update below is
-    torch's _single_tensor_muon line for line, with the gather and the shard around its Newton-Schulz."""
+    """torch's Muon, with its Newton-Schulz work shared among processes and each matrix orthogonalised whole.
+
+    Replicated weights (one process, DDP): every rank holds the same averaged gradient, so rank r orthogonalises
+    matrices r, r + N, r + 2N... of each group and broadcasts each result to the others (modded-nanogpt's way):
+    a rank does 1/N of the work, and every rank applies the same bits it would have computed itself.
+    Sharded weights (FSDP2 DTensors): each matrix's update is gathered and orthogonalised whole on every rank,
+    which keeps its shard. torch's Muon would run Newton-Schulz on the DTensors: the same maths, but its matrix
+    products reduce bf16 partial sums across ranks at every iteration (measured: 5e-5 apart from one process after
+    one step where DDP is bitwise) and communicate at each. The update is torch's _single_tensor_muon line for
+    line, with the sharing around its Newton-Schulz."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        if not any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"]):
+        sharded = any(isinstance(p, DTensor) for group in self.param_groups for p in group["params"])
+        processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if processes == 1 and not sharded:
             return super().step(closure)
         loss = None
         if closure is not None:
@@ -46,15 +56,34 @@ class WholeMatrixMuon(torch.optim.Muon):
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)
             lr, momentum = group["lr"], group["momentum"]
-            for param, grad, buffer in zip(params, grads, buffers):
+            updates = []
+            for grad, buffer in zip(grads, buffers):
                 buffer.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-                whole = _zeropower_via_newtonschulz(update.full_tensor(), group["ns_coefficients"],
-                                                    group["ns_steps"], group["eps"])
-                mine = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+                updates.append(grad.lerp(buffer, momentum) if group["nesterov"] else buffer)
+            settings = group["ns_coefficients"], group["ns_steps"], group["eps"]
+            if sharded:
+                orthogonal = [distribute_tensor(_zeropower_via_newtonschulz(update.full_tensor(), *settings),
+                                                param.device_mesh, param.placements, src_data_rank=None)
+                              for param, update in zip(params, updates)]
+            else:
+                orthogonal = shared_newton_schulz(updates, settings, dist.get_rank(), processes)
+            for param, update in zip(params, orthogonal):
                 param.mul_(1 - lr * group["weight_decay"])
-                param.add_(mine, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
+                param.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], param.shape))
         return loss
+
+
+def shared_newton_schulz(updates: list[torch.Tensor], settings: tuple, rank: int, processes: int
+                         ) -> list[torch.Tensor]:
+    """Every update orthogonalised, this rank computing those at positions rank, rank + processes, ... and
+    receiving the others from the ranks that computed them. All ranks compute first and then exchange, so that
+    none waits for another's Newton-Schulz before starting its own."""
+    orthogonal = [_zeropower_via_newtonschulz(update, *settings).contiguous() if i % processes == rank else
+                  torch.empty_like(update, dtype=torch.bfloat16) for i, update in enumerate(updates)]
+    pending = [dist.broadcast(update, src=i % processes, async_op=True) for i, update in enumerate(orthogonal)]
+    for work in pending:
+        work.wait()
+    return orthogonal
 
 
 ALGORITHMS = {"muon": WholeMatrixMuon, "adamw": torch.optim.AdamW}
