@@ -95,9 +95,9 @@ def test_muon_resumed_from_its_pickle_free_state_continues_bitwise(tmp_path):
                and "momentum_buffer" in state)
 
 
-def one_rank_of_a_shared_step(rank: int, processes: int, init_file: str, out: str) -> None:
-    """A DDP rank's Muon step: the same gradients as every rank (as after DDP's all-reduce), its Newton-Schulz
-    calls counted."""
+def one_rank_of_a_shared_step(rank: int, processes: int, sharded: bool, init_file: str, out: str) -> None:
+    """A rank's Muon steps on the same gradients as every rank's (as DDP's all-reduce or FSDP2's reduce-scatter of
+    equal gradients gives), its Newton-Schulz calls counted; `sharded`: the model under FSDP2 (fully_shard)."""
     import src.optim.muon as muon_module
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=processes)
@@ -105,19 +105,27 @@ def one_rank_of_a_shared_step(rank: int, processes: int, init_file: str, out: st
     muon_module._zeropower_via_newtonschulz = lambda grad, *args: calls.append(grad.shape) or orthogonalise(grad,
                                                                                                            *args)
     model = template_gpt()
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
     optimizer = muon(param_groups(model), model=model, lr=1e-2)
     train_steps(model, [optimizer], 2)
-    torch.save({"calls": len(calls), "weights": dict(model.named_parameters())}, f"{out}.{rank}")
+    weights = {name: p.full_tensor() if sharded else p for name, p in model.named_parameters()}
+    torch.save({"calls": len(calls), "weights": weights}, f"{out}.{rank}")
     torch.distributed.destroy_process_group()
 
 
-def test_ranks_share_the_newton_schulz_work_and_apply_the_bits_one_process_computes(tmp_path):
-    """Two DDP ranks each orthogonalise half of the matrices and broadcast them: the weights are bitwise those of
-    one process computing every one."""
+@pytest.mark.parametrize("sharded", [False, True], ids=["ddp", "fsdp2"])
+def test_ranks_share_the_newton_schulz_work_and_apply_the_bits_one_process_computes(tmp_path, sharded):
+    """Two ranks each orthogonalise half of the matrices whole (DDP: broadcasting them; FSDP2: gathering each
+    one's rows and sending them back): the weights are bitwise those of one process computing every one."""
     alone = template_gpt()
     train_steps(alone, [muon(param_groups(alone), model=alone, lr=1e-2)], 2)
     out = str(tmp_path / "rank")
-    torch.multiprocessing.spawn(one_rank_of_a_shared_step, args=(2, str(tmp_path / "init"), out), nprocs=2)
+    torch.multiprocessing.spawn(one_rank_of_a_shared_step, args=(2, sharded, str(tmp_path / "init"), out), nprocs=2)
     ranks = [torch.load(f"{out}.{rank}") for rank in (0, 1)]
 
     matrices = sum(p.ndim == 2 for name, p in alone.named_parameters() if "emb" not in name)

@@ -9,11 +9,10 @@ learning-rate schedule (which scales every group's rate alike), gradient clippin
 (src/checkpointing/plain_state.py) and a resume. Its param_groups are the union of both optimizers' groups (each
 naming its `algorithm`) and its state is the one dict both update, so state_dict/load_state_dict are torch's own.
 
-Newton-Schulz is most of Muon's cost (WholeMatrixMuon). Under DDP the ranks share it: each orthogonalises every
-N-th matrix and broadcasts the results, applying the bits one process would compute. Under FSDP2 each matrix is
-sharded across ranks, and its update is orthogonalised whole: a rank gathers one matrix's update at a time, runs
-Newton-Schulz on it as one process would, and keeps its shard (every rank repeats that work; the memory beyond
-the shards is one matrix).
+Newton-Schulz is most of Muon's cost, and the ranks share it (WholeMatrixMuon), applying the bits one process
+would compute: under DDP each orthogonalises every N-th matrix and broadcasts it; under FSDP2, where each matrix
+is sharded by rows, each receives the rows of every N-th matrix, orthogonalises it whole and sends the rows back
+(the memory beyond the shards: one matrix).
 """
 
 import logging
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from src.errors import UsageError
@@ -36,11 +35,12 @@ class WholeMatrixMuon(torch.optim.Muon):
     Replicated weights (one process, DDP): every rank holds the same averaged gradient, so rank r orthogonalises
     matrices r, r + N, r + 2N... of each group and broadcasts each result to the others (modded-nanogpt's way):
     a rank does 1/N of the work, and every rank applies the same bits it would have computed itself.
-    Sharded weights (FSDP2 DTensors): each matrix's update is gathered and orthogonalised whole on every rank,
-    which keeps its shard. torch's Muon would run Newton-Schulz on the DTensors: the same maths, but its matrix
-    products reduce bf16 partial sums across ranks at every iteration (measured: 5e-5 apart from one process after
-    one step where DDP is bitwise) and communicate at each. The update is torch's _single_tensor_muon line for
-    line, with the sharing around its Newton-Schulz."""
+    Sharded weights (FSDP2 DTensors): each matrix's update is orthogonalised whole by one rank, which gathers its
+    rows from the others and sends them their rows of the result (sharded_newton_schulz): again 1/N of the work
+    a rank, and one process's bits. torch's Muon would run Newton-Schulz on the DTensors: the same maths, but
+    its matrix products reduce bf16 partial sums across ranks at every iteration (measured: 5e-5 apart from one
+    process after one step where DDP is bitwise) and communicate at each. The update is torch's
+    _single_tensor_muon line for line, with the sharing around its Newton-Schulz."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -61,7 +61,9 @@ class WholeMatrixMuon(torch.optim.Muon):
                 buffer.lerp_(grad, 1 - momentum)
                 updates.append(grad.lerp(buffer, momentum) if group["nesterov"] else buffer)
             settings = group["ns_coefficients"], group["ns_steps"], group["eps"]
-            if sharded:
+            if sharded and rows_sharded_on_one_mesh(params):
+                orthogonal = sharded_newton_schulz(params, updates, settings)
+            elif sharded:  # another layout (a 2-D mesh, columns sharded): each rank does all the work
                 orthogonal = [distribute_tensor(_zeropower_via_newtonschulz(update.full_tensor(), *settings),
                                                 param.device_mesh, param.placements, src_data_rank=None)
                               for param, update in zip(params, updates)]
@@ -84,6 +86,50 @@ def shared_newton_schulz(updates: list[torch.Tensor], settings: tuple, rank: int
     for work in pending:
         work.wait()
     return orthogonal
+
+
+def rows_sharded_on_one_mesh(params: list) -> bool:
+    """FSDP2's default layout: every matrix's rows split among the ranks of one 1-D mesh."""
+    return all(p.device_mesh == params[0].device_mesh and p.device_mesh.ndim == 1 and p.placements == (Shard(0),)
+               for p in params)
+
+
+def rows_of_each_rank(rows: int, processes: int) -> list[int]:
+    """How many rows of a matrix each rank holds: torch.chunk's split, as FSDP2 shards (the last may hold none)."""
+    held = [len(chunk) for chunk in torch.arange(rows).chunk(processes)]
+    return held + [0] * (processes - len(held))
+
+
+def sharded_newton_schulz(params: list, updates: list, settings: tuple) -> list:
+    """Every update of rows-sharded matrices orthogonalised whole, the ranks sharing the work: in rounds of N
+    matrices, rank j receives every rank's rows of the round's j-th update (one all-to-all), orthogonalises it, and
+    sends each rank its rows of the result back (another). A rank holds one whole matrix at a time and does 1/N of
+    the Newton-Schulz; the bits are those of one process (the whole update is the ranks' rows in order)."""
+    mesh = params[0].device_mesh
+    group, rank, processes = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    results = []
+    for first in range(0, len(params), processes):
+        matrices, shards = params[first:first + processes], [u.to_local() for u in updates[first:first + processes]]
+        rows = [rows_of_each_rank(p.shape[0], processes) for p in matrices]  # rows[j][r]: rank r's of matrix j
+        width = [p.shape[1] for p in matrices]
+        if any(shard.shape[0] != rows[j][rank] for j, shard in enumerate(shards)):
+            raise RuntimeError(f"optimizer=muon: a shard's rows are not torch.chunk's ({[s.shape for s in shards]})")
+        owned = rank < len(matrices)
+        from_each = [rows[rank][r] * width[rank] if owned else 0 for r in range(processes)]
+        to_each = [rows[j][rank] * width[j] for j in range(len(matrices))] + [0] * (processes - len(matrices))
+        whole = shards[0].new_empty(sum(from_each))
+        dist.all_to_all_single(whole, torch.cat([shard.reshape(-1) for shard in shards]), from_each, to_each,
+                               group=group)
+        if owned:
+            orthogonal = _zeropower_via_newtonschulz(whole.view(-1, width[rank]), *settings).contiguous()
+        else:
+            orthogonal = shards[0].new_empty(0, dtype=torch.bfloat16)
+        mine = orthogonal.new_empty(sum(to_each))
+        dist.all_to_all_single(mine, orthogonal.reshape(-1), to_each, from_each, group=group)
+        for j, piece in enumerate(mine.split(to_each[:len(matrices)])):
+            results.append(DTensor.from_local(piece.view(rows[j][rank], width[j]), mesh, (Shard(0),),
+                                              run_check=False, shape=matrices[j].shape, stride=matrices[j].stride()))
+    return results
 
 
 ALGORITHMS = {"muon": WholeMatrixMuon, "adamw": torch.optim.AdamW}
