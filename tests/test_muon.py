@@ -134,6 +134,40 @@ def test_ranks_share_the_newton_schulz_work_and_apply_the_bits_one_process_compu
         assert max_abs_diff(r["weights"], dict(alone.named_parameters())) == 0
 
 
+def test_a_saved_state_whose_groups_name_other_algorithms_is_refused_before_anything_is_loaded():
+    model = template_gpt()
+    optimizer = muon(param_groups(model), model=model)
+    train_steps(model, [optimizer], 1)
+    state = optimizer.state_dict()
+    state["param_groups"][0]["algorithm"] = "adamw"  # the hidden matrices' group, edited
+    other = template_gpt()
+    fresh = muon(param_groups(other), model=other)
+    with pytest.raises(ValueError, match=r"\['adamw', 'adamw', 'adamw'\].*\['muon', 'adamw', 'adamw'\]"):
+        fresh.load_state_dict(state)
+    assert not fresh.state
+
+
+def test_a_resume_from_a_state_edited_to_step_muons_matrices_with_adamw_is_refused_naming_the_file(tmp_path):
+    """The edit passes the checksums (rewritten too, as a hand-made checkpoint would have them)."""
+    import json
+
+    from src.checkpointing.checksums import CHECKSUMS, checksum
+
+    run_dir = tmp_path / "run"
+    run([*TINY_GPT, *QUIET, "optimizer=muon", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"])
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    state = load_tree(checkpoint / "optimizer.safetensors")
+    state["param_groups"][0]["algorithm"] = "adamw"
+    save_tree(state, checkpoint / "optimizer.safetensors")
+    sums = json.loads((checkpoint / CHECKSUMS).read_text())
+    (checkpoint / CHECKSUMS).write_text(json.dumps({**sums, "optimizer.safetensors": checksum(
+        checkpoint / "optimizer.safetensors")}))
+
+    refused(run([*TINY_GPT, *QUIET, "optimizer=muon", "trainer.max_steps=4", f"hydra.run.dir={run_dir}",
+                 "resume=auto"], check=False), "optimizer.safetensors", "['muon', 'adamw', 'adamw']")
+    assert not (run_dir / "checkpoints" / "step_00000004").exists()
+
+
 def test_a_model_without_hidden_matrices_is_refused_naming_what_muon_leaves_to_adamw():
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
     with pytest.raises(UsageError, match=r"no hidden matrices.*0.weight, 1.weight.*optimizer=adamw"):

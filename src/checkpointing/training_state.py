@@ -21,11 +21,12 @@ checkpoint instead of the whole model each time): every start reads them from th
 `base_weights.json` records the folder's weight files, so that a resume on other base weights is refused.
 """
 
+import contextlib
 import copy
 import json
 import random
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -167,7 +168,8 @@ def load(accelerator: Accelerator, directory: Path, with_random_states: bool, wi
         for i, model in enumerate(accelerator._models):
             load_weights(_unwrapped(accelerator, model), read(numbered(MODEL_FILE, i)), without_frozen, device)
         for i, optimizer in enumerate(accelerator._optimizers):
-            optimizer.load_state_dict(load_tree(read(numbered(OPTIMIZER_FILE, i)), device))
+            with fits_the_optimizer(directory / numbered(OPTIMIZER_FILE, i)):
+                optimizer.load_state_dict(load_tree(read(numbered(OPTIMIZER_FILE, i)), device))
     for i, scheduler in enumerate(accelerator._schedulers):
         scheduler.load_state_dict(load_tree(read(numbered(SCHEDULER_FILE, i))))
     if with_random_states:
@@ -281,10 +283,21 @@ def _load_sharded(accelerator: Accelerator, directory: Path, without_frozen: boo
         state = {"optimizer": tensors}
         dcp.load(state, storage_reader=sharded_reader(source))
         plain = load_tree(source / PLAIN_VALUES)
-        set_optimizer_state_dict(model, optimizer.optimizer, merge(state["optimizer"], plain))
+        with fits_the_optimizer(source):
+            set_optimizer_state_dict(model, optimizer.optimizer, merge(state["optimizer"], plain))
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
+
+@contextlib.contextmanager
+def fits_the_optimizer(source: Path) -> Iterator[None]:
+    """An optimizer state that does not fit this run's optimizer (torch's checks of its groups, optimizer=muon's
+    split) refused as the bad input it is, naming the file."""
+    try:
+        yield
+    except ValueError as error:
+        raise UsageError(f"{source}: {error}") from None
+
 
 def _unwrapped(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
     """The user's module: its parameter names do not depend on DDP or torch.compile."""

@@ -171,6 +171,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 self.parts.append(part)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # A saved group keeps its settings (torch's rule), but which algorithm steps which tensors is this model's
+        # split: a state that says otherwise (another split, an edited file) would step them with the other one.
+        saved = [group.get("algorithm") for group in state_dict["param_groups"]]
+        if saved != [group["algorithm"] for group in self.param_groups]:
+            raise ValueError(f"the optimizer state's groups are stepped by {saved}; this model's split into Muon and "
+                             f"AdamW is {[group['algorithm'] for group in self.param_groups]}")
         super().load_state_dict(state_dict)
         self._link()
 
