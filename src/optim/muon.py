@@ -90,8 +90,8 @@ def shared_newton_schulz(updates: list[torch.Tensor], settings: tuple, rank: int
 
 def rows_sharded_on_one_mesh(params: list) -> bool:
     """FSDP2's default layout: every matrix's rows split among the ranks of one 1-D mesh."""
-    return all(p.device_mesh == params[0].device_mesh and p.device_mesh.ndim == 1 and p.placements == (Shard(0),)
-               for p in params)
+    return all(isinstance(p, DTensor) and p.device_mesh == params[0].device_mesh and p.device_mesh.ndim == 1
+               and p.placements == (Shard(0),) for p in params)
 
 
 def rows_of_each_rank(rows: int, processes: int) -> list[int]:
