@@ -90,7 +90,7 @@ def one_size(args, layers: int, hidden: int, work: Path) -> dict:
     common = [*model, f"data.batch_size={args.batch_size}", f"trainer.max_steps={args.steps}",
               f"trainer.checkpoint_every={args.steps - 1}", f"trainer.async_checkpoint={str(args.async_save).lower()}",
               "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.monitor=null",
-              "trainer.hang_report_s=3600"]
+              "trainer.hang_report_s=3600", f"optimizer={args.optimizer}"]
     rows = {"parameters": parameters}
     for layout in args.layouts:
         processes = 1 if layout == "one" else args.processes
@@ -156,6 +156,8 @@ def add_commands(commands) -> dict:
     c.add_argument("--block-size", type=int, default=256)
     c.add_argument("--pretrained", action="store_true", help="LoRA on a saved pretrained folder of each size")
     c.add_argument("--async-save", action="store_true", help="trainer.async_checkpoint=true")
+    c.add_argument("--optimizer", default="adamw", help="the optimizer option every layout trains with (muon: its "
+                                                        "state is one buffer a matrix, AdamW's two)")
     c.add_argument("--dir", default=str(ROOT / "outputs" / "scale"), help="where the runs and checkpoints go")
     c.add_argument("--malloc-mmap-threshold", type=int, default=None, help=(
         "glibc's MALLOC_MMAP_THRESHOLD_ for every run, in place of the 32 MiB train.py sets on CPU for speed "
