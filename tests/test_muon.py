@@ -91,8 +91,9 @@ def test_muon_resumed_from_its_pickle_free_state_continues_bitwise(tmp_path):
 
     assert max_abs_diff(dict(model.named_parameters()), dict(resumed_model.named_parameters())) == 0
     assert [g["lr"] for g in resumed.param_groups] == [2e-2, 1e-2, 1e-2]
-    assert all(state["momentum_buffer"].shape == p.shape for p, state in resumed.state.items() if p.ndim == 2
-               and "momentum_buffer" in state)
+    buffers = [(state["momentum_buffer"].shape, p.shape) for p, state in resumed.state.items()
+               if "momentum_buffer" in state]
+    assert len(buffers) == len(resumed.param_groups[0]["params"]) and all(a == b for a, b in buffers)
 
 
 def one_rank_of_a_shared_step(rank: int, processes: int, sharded: bool, init_file: str, out: str) -> None:
