@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from src.checkpointing.checkpointer import agreed_resume_point, resume_point
 from src.checkpointing.load import load_initial_weights
-from src.checkpointing.resume import check_same_data
+from src.checkpointing.resume import check_same_data, schedule_for_resume
 from src.checkpointing.training_state import leaves_out_frozen
 from src.data.base import DataModule
 from src.data.packing import attend_per_document
@@ -116,6 +116,8 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
                         gradient_accumulation_steps=cfg.trainer.gradient_accumulation_steps)
     epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout)  # whole global batches; epochs -> steps
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
+    if checkpoint:  # a new length or schedule: taken where the steps already taken keep their learning rates
+        cfg = schedule_for_resume(cfg, checkpoint, overrides)
     # FSDP's sharded start: rank 0 alone holds the model whole, or no rank does where each reads its own slices of
     # a pretrained folder or of trainer.init_weights once the model is sharded (`Run.read_pretrained_slices`).
     init_weights = Path(cfg.trainer.init_weights) if cfg.trainer.init_weights and not checkpoint else None

@@ -283,6 +283,12 @@ def short_pairs(path: Path) -> Path:
     return path
 
 
+def snapshot(directory: Path) -> dict[str, tuple[int, str]]:
+    """Every file under a directory with its mtime and digest: equal before and after, nothing was written."""
+    return {str(p.relative_to(directory)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
 def exported_weights(run_dir: Path) -> dict:
     return load_file(run_dir / "model" / "model.safetensors")
 

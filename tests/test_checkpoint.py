@@ -1,6 +1,5 @@
 """Checkpoints never lose a run: a killed run resumes to exactly the uninterrupted run's losses."""
 
-import hashlib
 import shutil
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from tests.conftest import (
     refused,
     run,
     scalars,
+    snapshot,
 )
 
 
@@ -178,11 +178,6 @@ def test_rotation_keeps_the_newest_complete_checkpoints_and_the_best_one_apart(t
     assert step_dirs(run_dir) == sorted({f"step_{s:08d}" for s in (best, 12, 14, 16)})
     best_weights = load_file(run_dir / "checkpoints" / f"step_{best:08d}" / "model.safetensors")
     assert max_abs_diff(load_file(run_dir / "model_best" / "model.safetensors"), best_weights) == 0
-
-
-def snapshot(directory: Path) -> dict[str, tuple[int, str]]:
-    return {str(p.relative_to(directory)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ LAUNCHERS = ["accelerate launch --multi_gpu --num_processes N train.py",
 TINY = ["model.n_head=1", "model.n_embd=16", "model.block_size=16"]  # the default GPT, tiny (its depth kept)
 STEPS = ["trainer.max_steps=2", "trainer.eval_batches=1", "trainer.log_every=1"]
 TINY_HF = ["model.config.n_layer=1", "model.config.n_head=1", "model.config.n_embd=16", "model.block_size=16"]
+WSD_STEPS = ["trainer.eval_batches=1", "trainer.log_every=1", "scheduler.warmup_steps=1"]  # its length: the command's
 SETUP = "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt && "
 
 # The FineWeb-Edu recipe's preparation, on a local file with a byte tokenizer (no network here), the same config.
@@ -66,6 +67,16 @@ RUN = [
     ("accelerate launch train.py hydra.run.dir=outputs/my_run resume=auto", {}, [*TINY, *STEPS]),
     ("accelerate launch train.py resume=outputs/my_run/checkpoints/step_00000500 hydra.run.dir=outputs/fork",
      {"step_00000500": "step_00000002"}, [*TINY, *STEPS, "trainer.max_steps=3"]),
+    ("accelerate launch train.py scheduler=wsd trainer.max_steps=10000 trainer.checkpoint_every=1000 "
+     "hydra.run.dir=outputs/wsd", {"max_steps=10000": "max_steps=10", "checkpoint_every=1000": "checkpoint_every=5"},
+     [*TINY, *WSD_STEPS]),
+    ("accelerate launch train.py scheduler=wsd trainer.max_steps=20000 resume=outputs/wsd/checkpoints/step_00008000 "
+     "hydra.run.dir=outputs/wsd_20000", {"max_steps=20000": "max_steps=12", "step_00008000": "step_00000008"},
+     [*TINY, *WSD_STEPS]),
+    ("accelerate launch train.py scheduler=wsd trainer.max_steps=6000 scheduler.decay_steps=1000 "
+     "resume=outputs/wsd/checkpoints/step_00005000 hydra.run.dir=outputs/wsd_5000",
+     {"max_steps=6000": "max_steps=6", "decay_steps=1000": "decay_steps=1", "step_00005000": "step_00000005"},
+     [*TINY, *WSD_STEPS]),
     ("accelerate launch --multi_gpu --num_processes 2 train.py hydra.run.dir=outputs/run data.batch_size=4",
      {}, [*TINY, *STEPS]),
     ("accelerate launch train.py hydra.run.dir=outputs/run data.batch_size=4 trainer.gradient_accumulation_steps=2 "

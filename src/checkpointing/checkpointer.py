@@ -56,6 +56,7 @@ from src.checkpointing.training_state import (
 from src.errors import LaunchError, UsageError
 from src.loop.stream_position import StreamPosition
 from src.loop.train_state import TrainState, improves
+from src.optim.schedules import decay_begins
 from src.reporting.telemetry import resident_peak
 
 log = logging.getLogger(__name__)
@@ -112,8 +113,9 @@ def agreed_resume_point(accelerator: Accelerator, checkpoint: Optional[Path], cf
 
 class Checkpointer:
     """Periodic checkpoints (trainer.checkpoint_every, rotated to trainer.keep_last_checkpoints), the best one
-    by trainer.monitor (kept apart from rotation, its model exported to model_best/), one when a stop is agreed
-    (preemption, early stopping) and the final one; the exports model/ and model_ema/ at the end."""
+    by trainer.monitor (kept apart from rotation, its model exported to model_best/), one where a WSD schedule's
+    decay starts (kept apart too), one when a stop is agreed (preemption, early stopping) and the final one; the
+    exports model/ and model_ema/ at the end."""
 
     def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig, model: Optional[torch.nn.Module],
                  ema=None, codec=None, data_fingerprint: Optional[dict] = None, resume_from: Optional[Path] = None,
@@ -138,6 +140,8 @@ class Checkpointer:
         self.keep_last, self.every, self.max_steps = (trainer.keep_last_checkpoints, trainer.checkpoint_every,
                                                       trainer.max_steps)
         self.monitor, self.mode, self.seed = trainer.monitor, trainer.monitor_mode, trainer.seed
+        # Where a WSD schedule's decay starts: its checkpoint there, kept apart from rotation, trains any longer run.
+        self.decay_from = decay_begins(cfg.scheduler) if "scheduler" in cfg else None
         self.in_background = bool(trainer.get("async_checkpoint"))
         self.committing: Optional[threading.Thread] = None  # rank 0's commit in flight
         self.commit_failed: Optional[tuple[Exception, Path]] = None
@@ -181,11 +185,15 @@ class Checkpointer:
             self.save(state, blocking=False)
         if self.saves_at(state.step) or stopping:
             self.save(state, blocking=stopping or state.step >= self.max_steps)
+        if state.step == self.decay_from:
+            log.info("step %d: the LR schedule's decay starts; checkpoint %s is kept: resume from it with a greater "
+                     "trainer.max_steps to train longer (docs/checkpoints.md)", state.step,
+                     self.root / step_dir_name(state.step))
 
     def saves_at(self, step: int) -> bool:
         """Whether step `step` saves whatever happens (periodic, final); besides, an evaluation may save the
         best, and an agreed stop saves."""
-        return bool(self.every and step % self.every == 0) or step >= self.max_steps
+        return bool(self.every and step % self.every == 0) or step >= self.max_steps or step == self.decay_from
 
     def export_final(self) -> None:
         """The trained model (and its EMA) as plain files: RUN/model, RUN/model_ema. Every rank calls it."""
@@ -405,8 +413,8 @@ class Checkpointer:
         )
 
     def _rotate(self, best_step: Optional[int]) -> None:
-        """Delete the oldest complete checkpoints beyond keep_last; the best one is kept apart."""
-        keep = {step_dir_name(best_step)} if best_step is not None else set()
+        """Delete the oldest complete checkpoints beyond keep_last; the best one and the decay's start stay apart."""
+        keep = {step_dir_name(step) for step in (best_step, self.decay_from) if step is not None}
         rotating = [p for p in complete_checkpoints(self.run_dir) if p.name not in keep]
         for old in rotating[: max(0, len(rotating) - self.keep_last)]:
             shutil.rmtree(old)

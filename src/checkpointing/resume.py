@@ -2,15 +2,20 @@
 that are safe to change on a resume.
 """
 
+import copy
 import json
 import logging
 from pathlib import Path
 from typing import Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, RUN_CONFIG, STEP_DIR, complete_checkpoints
+from src.checkpointing.plain_state import load_tree
+from src.checkpointing.training_state import SCHEDULER_FILE
 from src.errors import UsageError
+from src.schema.build import build
 from src.schema.data_sizes import resolved_but_data_sizes
 from src.schema.keys import flatten
 from src.schema.signature import complete, schema_of
@@ -37,6 +42,7 @@ SAFE_ON_RESUME = {
 
 
 DATA_SIZE_PLACEHOLDER = "${dataset:"
+LENGTH = "${trainer.max_steps}"  # a schedule's total_steps that follows the run's length
 
 
 # How the global batch is split may change (e.g. a requeued job given fewer GPUs): load_checkpoint checks
@@ -96,7 +102,7 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     as_typed = OmegaConf.to_container(overrides, resolve=False) if OmegaConf.is_config(overrides) else overrides
     named = [override.split("=", 1)[0].lstrip("+~") for override in as_typed]
     scopes = [key if any(_under(leaf, key) for leaf in new_leaves) else "" for key in named]
-    refused, changed = [], []
+    refused, changed, new_schedule = [], [], False
     same_samples = _per_process_samples(new_leaves) == _per_process_samples(old_leaves)
     if old_leaves.get("trainer.auto_micro_batch") and same_samples:
         # The checkpoint's micro-batch and accumulation were chosen to fit; the configured product stands.
@@ -114,13 +120,16 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
         if leaf in SAFE_ON_RESUME | LAYOUT_ON_RESUME:
             OmegaConf.update(saved, leaf, new, force_add=True)
             changed.append(f"{leaf}: {old} -> {new}")
+        elif _under(leaf, "scheduler"):
+            new_schedule = True  # taken as composed; schedule_for_resume checks it once the run's length is known
         else:
             refused.append(f"{leaf}={new} (the checkpoint has {old})")
     if refused:
         raise UsageError(
             f"Cannot resume from {checkpoint} with a different model or setup:\n  " + "\n  ".join(refused)
             + f"\nOnly these may change on resume: {', '.join(sorted(SAFE_ON_RESUME | LAYOUT_ON_RESUME))} "
-            f"({' and '.join(sorted(LAYOUT_ON_RESUME))} only while the global batch stays the same). "
+            f"({' and '.join(sorted(LAYOUT_ON_RESUME))} only while the global batch stays the same), and "
+            "scheduler.* while the steps taken keep their learning rates. "
             "Start a new run (another hydra.run.dir) to change anything else."
         )
     if "trainer.max_steps" in named and saved.trainer.get("max_epochs") is not None and cfg.trainer.max_steps:
@@ -128,13 +137,13 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
         changed.append(f"trainer.max_epochs: {old_leaves['trainer.max_epochs']} -> None")
     for line in changed:
         log.warning("resume: override accepted: %s", line)
-    total_steps = OmegaConf.select(saved, "scheduler.total_steps")
+    composed = OmegaConf.to_container(cfg, resolve=False).get("scheduler")
     length_changed = any(line.startswith(("trainer.max_steps", "trainer.max_epochs")) for line in changed)
-    if total_steps is not None and length_changed:
-        # The saved config is resolved, so the schedule's length is the one the run started with: stretched now,
-        # its learning rate would jump back up mid-run.
-        log.warning("resume: the LR schedule keeps the length it was built with (scheduler.total_steps=%s): "
-                    "it is not stretched to the new length", total_steps)
+    if new_schedule:
+        saved.scheduler = composed  # its ${trainer.max_steps} now resolves to the resumed run's length
+    elif length_changed and OmegaConf.select(saved, "scheduler.total_steps") is not None and \
+            (composed or {}).get("total_steps") == LENGTH:
+        saved.scheduler.total_steps = LENGTH  # the schedule follows the new length where it can: schedule_for_resume
     return saved
 
 
@@ -175,3 +184,64 @@ def check_same_data(checkpoint: Path, fingerprint: dict, accept_changed: bool) -
     log.warning("resume: the data differs from the checkpoint's (%s); trainer.resume_with_changed_data=true: "
                 "continuing from an epoch boundary", "; ".join(changed))
     return True
+
+
+def schedule_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
+    """The resumed run's LR schedule, once its length is known: a new one (new keys, or a length that follows a new
+    trainer.max_steps) when the steps already taken keep their rates under it, so that the run trains what a run
+    with that schedule from the start trains (a WSD in its stable phase, a warm-up's steps); otherwise the
+    checkpoint's, when only the length would have followed, and a refusal naming the first changed rate when the
+    command line asked for another schedule."""
+    old = OmegaConf.load(checkpoint / CONFIG_FILE).get("scheduler")
+    if old is None or old == cfg.scheduler:
+        return cfg
+    differences = [f"scheduler.{key}: {old.get(key)} -> {cfg.scheduler.get(key)}"
+                   for key in sorted(old.keys() | cfg.scheduler.keys()) if old.get(key) != cfg.scheduler.get(key)]
+    taken = _schedule_position(checkpoint)
+    change = first_changed_rate(old, cfg.scheduler, taken)
+    if change is None:
+        log.warning("resume: the LR schedule changes (%s): the %d steps taken keep their rates",
+                    "; ".join(differences), taken)
+        return cfg
+    step, before, after = change
+    named = {name.split("=", 1)[0].lstrip("+~") for name in overrides}
+    if any(not line.startswith("scheduler.total_steps:") for line in differences) or "scheduler.total_steps" in named:
+        raise UsageError(
+            f"Cannot resume from {checkpoint} with this LR schedule ({'; '.join(differences)}): the rate at step "
+            f"{step} (train/lr), which its {taken} steps have already set, would change from {before:.6g} to "
+            f"{after:.6g} x optimizer.lr. A schedule may change on resume only where the steps taken keep their "
+            "rates (a WSD schedule, scheduler=wsd, before its decay starts). Start a new run (another "
+            "hydra.run.dir) for another schedule."
+        )
+    # Stretched now, its rate would jump (a cosine past its end back up): it keeps the length it was built with.
+    log.warning("resume: the LR schedule keeps the length it was built with (scheduler.total_steps=%s): at the new "
+                "length the rate at step %d, which the %d steps taken have already set, would change from %.6g to "
+                "%.6g x optimizer.lr", old.total_steps, step, taken, before, after)
+    cfg = copy.deepcopy(cfg)
+    cfg.scheduler = old
+    return cfg
+
+
+def first_changed_rate(old: DictConfig, new: DictConfig, taken: int) -> Optional[tuple[int, float, float]]:
+    """(position, old multiplier, new multiplier) of the first of positions 0..taken (the steps taken, and the
+    rate the checkpoint's optimizer already holds for the next) where the two schedules differ; None if none does."""
+    schedules = []
+    for node in (old, new):
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        schedules.append(build(node, optimizer, group="scheduler"))
+        optimizer.step()  # no gradient, nothing moves: torch then takes the schedule's steps as in order
+    for position in range(taken + 1):
+        rates = [schedule.get_last_lr()[0] for schedule in schedules]
+        if rates[0] != rates[1]:
+            return position, rates[0], rates[1]
+        for schedule in schedules:
+            schedule.step()
+    return None
+
+
+def _schedule_position(checkpoint: Path) -> int:
+    """Steps the checkpoint's schedule has taken (fewer than its optimizer steps where non-finite ones were skipped)."""
+    file = checkpoint / SCHEDULER_FILE
+    if file.is_file():
+        return int(load_tree(file)["last_epoch"])
+    return int(STEP_DIR.fullmatch(checkpoint.name).group(1))
