@@ -297,6 +297,22 @@ def test_resume_from_an_explicit_checkpoint_path_continues_into_a_new_run_dir(fi
     assert max_abs_diff(exported_weights(fork), exported_weights(finished_run)) == 0
 
 
+def test_a_rewind_to_an_earlier_checkpoint_of_the_same_run_dir_sets_the_later_ones_aside_and_saves_its_own(
+        finished_run):
+    """Left in place, step 6 of the abandoned timeline would not be saved again (it exists) and resume=auto would
+    continue it."""
+    later = finished_run / "checkpoints" / "step_00000006"
+    before = snapshot(later)
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", f"resume={finished_run / 'checkpoints' / 'step_00000003'}",
+                f"hydra.run.dir={finished_run}"])
+    (aside,) = (finished_run / "checkpoints").glob("superseded_*")
+    named(proc.stdout, "step_00000006 moved to", str(aside))
+    assert snapshot(aside / "step_00000006") == before  # whole, untouched
+    assert later.is_dir() and snapshot(later) != before  # this run's own step 6, written anew
+    resumed = run([*TINY_GPT, *QUIET, "trainer.max_steps=6", "resume=auto", f"hydra.run.dir={finished_run}"])
+    assert "step_00000006" in resumed.stdout and "superseded" not in resumed.stdout
+
+
 def fsdp_shaped_checkpoint(directory: Path) -> Path:
     """A checkpoint laid out as the checkpointer writes it under FSDP: model and optimizer state as directories of
     one safetensors file per rank (two ranks' halves here, written as src/checkpointing/plain_state.py's writer

@@ -41,7 +41,7 @@ from src.checkpointing.export import export_model
 from src.checkpointing.integrity import check_readable
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, EMA_FILE, STATE_FILE, complete_checkpoints, step_dir_name
 from src.checkpointing.load import load_checkpoint, seed_this_ranks_stream
-from src.checkpointing.resume import config_for_resume, resume_source
+from src.checkpointing.resume import config_for_resume, resume_source, set_aside_later_checkpoints
 from src.checkpointing.training_state import (
     BASE_FILE,
     base_weights,
@@ -168,6 +168,8 @@ class Checkpointer:
             return
         load_checkpoint(self.accelerator, self.resume_from, state, self.seed, self.ema,
                         restart_epoch=self.data_changed)
+        if self.accelerator.is_main_process:  # resumed from an earlier step of this run dir: what came after, aside
+            set_aside_later_checkpoints(self.resume_from, self.run_dir)
         if self.position is not None:
             self.position.load(self.resume_from, state, self.data_changed)
 

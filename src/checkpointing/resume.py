@@ -5,6 +5,7 @@ that are safe to change on a resume.
 import copy
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -80,6 +81,27 @@ def resume_source(resume: Optional[str], run_dir: Path) -> Optional[Path]:
     if not found:
         raise UsageError(f"resume={resume}: not a checkpoint directory (checkpoints/step_N) nor a run dir with one")
     return found[-1]
+
+
+def set_aside_later_checkpoints(checkpoint: Path, run_dir: Path) -> list[Path]:
+    """Rank 0, once a resume has loaded: checkpoints of this run dir past the one resumed (resume=PATH to an earlier
+    step: a rewind past a loss spike, a corrupted newest one) are another timeline. Left in place, a step that
+    exists would not be saved again and a later resume=auto would continue them, so they move, whole, to
+    checkpoints/superseded_<time>/, outside what resume=auto and rotation look at."""
+    if checkpoint.parent.resolve() != (run_dir / "checkpoints").resolve():
+        return []
+    resumed = int(STEP_DIR.fullmatch(checkpoint.name).group(1))
+    later = [p for p in complete_checkpoints(run_dir) if int(STEP_DIR.fullmatch(p.name).group(1)) > resumed]
+    if not later:
+        return []
+    aside = run_dir / "checkpoints" / time.strftime("superseded_%Y%m%d-%H%M%S")
+    aside.mkdir()
+    for old in later:
+        old.rename(aside / old.name)
+    log.warning("resume: from %s, an earlier checkpoint than this run dir's newest: %s moved to %s (not resumed "
+                "from, not rotated; delete them when no longer wanted)", checkpoint.name,
+                ", ".join(p.name for p in later), aside)
+    return later
 
 
 def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:
