@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from src.checkpointing.checksums import SHARD_SUMS, checksum, write_checksums
+from src.checkpointing.plain_state import load_tree, save_tree
 from src.errors import UsageError
 from src.optim.schedules import warmup_cosine
 from tests.conftest import (
@@ -268,6 +269,21 @@ def test_a_checkpoint_corrupted_mid_file_is_refused_as_another_runs_starting_wei
     proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=1", f"trainer.init_weights={checkpoint}",
                 f"hydra.run.dir={tmp_path / 'anew'}"], check=False)
     refused(proc, str(weights), "CRC mismatch")
+
+
+def test_resume_refuses_an_optimizer_state_whose_hyperparameters_are_not_its_configs(finished_run):
+    """torch would take the file's betas over the config's without a word: a checkpoint edited (its checksums
+    rewritten, as a hand-made one would have them) or assembled from two runs."""
+    checkpoint = finished_run / "checkpoints" / "step_00000006"
+    state = load_tree(checkpoint / "optimizer.safetensors")
+    assert state["param_groups"][0]["betas"] == (0.9, 0.99)  # adamw's default, as saved
+    state["param_groups"][0]["betas"] = (0.9, 0.5)
+    save_tree(state, checkpoint / "optimizer.safetensors")
+    write_checksums(checkpoint)
+    proc = run([*TINY_GPT, *QUIET, "trainer.max_steps=9", "resume=auto", f"hydra.run.dir={finished_run}"],
+               check=False)
+    refused(proc, str(checkpoint / "optimizer.safetensors"), "betas=(0.9, 0.5)", "(0.9, 0.99)")
+    assert not (finished_run / "checkpoints" / "step_00000009").exists()
 
 
 def test_resume_from_a_checkpoint_whose_model_shape_differs_names_the_tensor_and_changes_no_file(finished_run):

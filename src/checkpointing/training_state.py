@@ -169,7 +169,9 @@ def load(accelerator: Accelerator, directory: Path, with_random_states: bool, wi
             load_weights(_unwrapped(accelerator, model), read(numbered(MODEL_FILE, i)), without_frozen, device)
         for i, optimizer in enumerate(accelerator._optimizers):
             with fits_the_optimizer(directory / numbered(OPTIMIZER_FILE, i)):
-                optimizer.load_state_dict(load_tree(read(numbered(OPTIMIZER_FILE, i)), device))
+                saved = load_tree(read(numbered(OPTIMIZER_FILE, i)), device)
+                check_hyperparameters(saved["param_groups"], optimizer.param_groups)
+                optimizer.load_state_dict(saved)
     for i, scheduler in enumerate(accelerator._schedulers):
         scheduler.load_state_dict(load_tree(read(numbered(SCHEDULER_FILE, i))))
     if with_random_states:
@@ -284,7 +286,9 @@ def _load_sharded(accelerator: Accelerator, directory: Path, without_frozen: boo
         dcp.load(state, storage_reader=sharded_reader(source))
         plain = load_tree(source / PLAIN_VALUES)
         with fits_the_optimizer(source):
-            set_optimizer_state_dict(model, optimizer.optimizer, merge(state["optimizer"], plain))
+            saved = merge(state["optimizer"], plain)
+            check_hyperparameters(saved["param_groups"], optimizer.optimizer.param_groups)
+            set_optimizer_state_dict(model, optimizer.optimizer, saved)
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -297,6 +301,32 @@ def fits_the_optimizer(source: Path) -> Iterator[None]:
         yield
     except ValueError as error:
         raise UsageError(f"{source}: {error}") from None
+
+
+# Group keys that are not the optimizer's mathematics: the parameters, the rate the schedule sets each step (its
+# base, initial_lr, is compared), and how the kernels run (a run resumed on other hardware may choose others).
+NOT_HYPERPARAMETERS = {"params", "lr", "foreach", "fused", "capturable", "differentiable"}
+
+
+def check_hyperparameters(saved_groups: list[dict], groups: list[dict]) -> None:
+    """torch's load_state_dict takes every hyperparameter (betas, weight decay, Muon's scaling, ...) from the saved
+    groups over those the config built: a state edited, or written by another run than its config.yaml says, would
+    change the run silently. A resume builds the optimizer from the checkpoint's own config, so they must agree."""
+    if len(saved_groups) != len(groups):
+        return  # torch's own check names it
+    for i, (saved, built) in enumerate(zip(saved_groups, groups)):
+        # Keys both have: one a newer torch added to its groups takes its default on load, as torch intends.
+        for key in sorted((saved.keys() & built.keys()) - NOT_HYPERPARAMETERS):
+            if _plain(saved[key]) != _plain(built[key]):
+                raise ValueError(f"its parameter group {i} has {key}={saved[key]!r} where the optimizer its config "
+                                 f"builds has {built[key]!r}: a state edited or written by another run, refused")
+
+
+def _plain(value):
+    """A hyperparameter as saved: tuples are lists in the checkpoint, tensors (a tensor lr or beta) numbers."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def _unwrapped(accelerator: Accelerator, model: torch.nn.Module) -> torch.nn.Module:
