@@ -87,6 +87,7 @@ RUN = [
     ("accelerate launch train.py trainer.sample_every=500 'trainer.sample_prompts=[ROMEO:,JULIET:]'",
      {"sample_every=500": "sample_every=2"}, [*TINY, *STEPS, "trainer.sample_tokens=10"]),
     ("python sample.py outputs/RUN/model --prompt \"ROMEO:\" --num-samples 3", {"RUN": "my_run"}, []),
+    ("python scripts/export_hf.py outputs/RUN/model outputs/RUN/model_hf", {"RUN": "my_run"}, []),
     ("accelerate launch train.py 'trainer.eval_tasks=[data/eval_tasks/shakespeare_cloze.yaml,"
      "data/eval_tasks/shakespeare_perplexity.yaml]' trainer.eval_tasks_every=500 "
      "trainer.monitor=eval_tasks/shakespeare_cloze/acc trainer.monitor_mode=max",
