@@ -12,7 +12,6 @@ the export's logits on a batch of ids (float32, within rounding), and transforme
 """
 
 import json
-import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,8 +22,6 @@ from src.checkpointing.export import load_exported_model
 from src.data.tokenizer import Codec
 from src.errors import UsageError
 from src.models.gpt import GPT
-
-log = logging.getLogger(__name__)
 
 # The logits of both models may differ by rounding only: a matrix product's sum in another order.
 TOLERANCE = 1e-4
