@@ -214,6 +214,7 @@ def schedule_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str])
     with that schedule from the start trains (a WSD in its stable phase, a warm-up's steps); otherwise the
     checkpoint's, when only the length would have followed, and a refusal naming the first changed rate when the
     command line asked for another schedule."""
+    # The file config_for_resume read and checked (its CRC, and its targets against this command line's).
     old = OmegaConf.load(checkpoint / CONFIG_FILE).get("scheduler")
     if old is None or old == cfg.scheduler:
         return cfg
