@@ -34,6 +34,7 @@ from src.loop.ema import build_ema
 from src.loop.eval_tasks import EvalTasks
 from src.loop.evaluation import Evaluation
 from src.loop.sampling import Sampler
+from src.loop.skip_steps import SkipSteps
 from src.loop.step import TrainStep
 from src.loop.stopping import FINISHED, PREEMPTED, StopDecision
 from src.loop.stream_position import StreamPosition
@@ -93,6 +94,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     sampler = Sampler(accelerator, trainer, run.data.codec, model, cfg.model.get("block_size") or 0, hang_watch.alive)
     preemption = PreemptionWatch(accelerator.num_processes)  # SIGTERM, SIGUSR1/2, Ctrl-C: save, then stop
     stop = StopDecision(trainer, preemption)
+    skip = SkipSteps(trainer.skip_steps, accelerator.is_main_process)
     progress = Progress(accelerator, trainer.max_steps, state.step, trainer.progress_interval_s)
     model.train()
     evaluate.before_training(state.step)  # trainer.eval_on_start: a fresh run's metrics at step 0
@@ -101,12 +103,17 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
                                    trainer.gradient_accumulation_steps, run.epoch_steps, position, run.data.read_ahead)
     for window in telemetry.timed_windows([] if stop_reason else windows):
         hang_watch.beat(state.step)  # armed by the first: a first step that never ends is reported too
-        result = train_step(window, state.step)
+        dropped = skip.covers(state.step + 1)  # trainer.skip_steps: past a loss spike's data
+        if dropped:
+            train_step.pass_over()  # the window read, nothing trained, the LR schedule moves on
+            telemetry.step_dropped()
+        else:
+            result = train_step(window, state.step)
+            telemetry.step_finished(result.tokens)
         state.step += 1
         hang_watch.beat(state.step)
-        telemetry.step_finished(result.tokens)
         # Steps that log, evaluate or save read what the device decided: until then the host never waits for it.
-        logging_step, evaluating = state.step % trainer.log_every == 0, evaluate.due(state.step)
+        logging_step, evaluating = not dropped and state.step % trainer.log_every == 0, evaluate.due(state.step)
         signalled = preemption.step_finished()  # the same on every rank
         if logging_step or evaluating or signalled or checkpointer.saves_at(state.step):
             train_step.settle()  # stops at a non-finite step before anything of it is logged or saved

@@ -67,6 +67,9 @@ RUN = [
     ("accelerate launch train.py hydra.run.dir=outputs/my_run resume=auto", {}, [*TINY, *STEPS]),
     ("accelerate launch train.py resume=outputs/my_run/checkpoints/step_00000500 hydra.run.dir=outputs/fork",
      {"step_00000500": "step_00000002"}, [*TINY, *STEPS, "trainer.max_steps=3"]),
+    ("accelerate launch train.py hydra.run.dir=outputs/my_run resume=outputs/my_run/checkpoints/step_00001000 "
+     "'trainer.skip_steps=[[1001,1300]]'", {"step_00001000": "step_00000002", "[[1001,1300]]": "[[3,4]]"},
+     [*TINY, *STEPS, "trainer.max_steps=4"]),
     ("accelerate launch train.py scheduler=wsd trainer.max_steps=10000 trainer.checkpoint_every=1000 "
      "hydra.run.dir=outputs/wsd", {"max_steps=10000": "max_steps=10", "checkpoint_every=1000": "checkpoint_every=5"},
      [*TINY, *WSD_STEPS]),

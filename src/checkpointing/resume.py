@@ -39,6 +39,8 @@ SAFE_ON_RESUME = {
     # Sampling reads the weights with its own random state: it changes nothing trained (tests/test_sampling.py).
     "trainer.sample_every", "trainer.sample_prompts", "trainer.sample_tokens", "trainer.sample_temperature",
     "trainer.sample_top_k",
+    # Steps whose batches are dropped (src/loop/skip_steps.py): new ones only after the checkpoint's step.
+    "trainer.skip_steps",
 }
 
 
@@ -139,6 +141,8 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
             continue  # the checkpoint's value stands
         if new == old or not any(_under(leaf, scope) for scope in scopes):
             continue
+        if leaf == "trainer.skip_steps":
+            check_new_skip_steps(old, new, checkpoint)
         if leaf in SAFE_ON_RESUME | LAYOUT_ON_RESUME:
             OmegaConf.update(saved, leaf, new, force_add=True)
             changed.append(f"{leaf}: {old} -> {new}")
@@ -167,6 +171,27 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
             (composed or {}).get("total_steps") == LENGTH:
         saved.scheduler.total_steps = LENGTH  # the schedule follows the new length where it can: schedule_for_resume
     return saved
+
+
+def check_new_skip_steps(old: Optional[list], new: Optional[list], checkpoint: Path) -> None:
+    """A range of trainer.skip_steps added on resume must start after the checkpoint's step: the steps up to it are
+    trained already, and skipping them now would skip nothing. The message names the checkpoint to rewind to."""
+    step = int(STEP_DIR.fullmatch(checkpoint.name).group(1))
+    kept = {tuple(pair) for pair in old or []}
+    trained = [tuple(pair) for pair in new or [] if tuple(pair) not in kept and pair[0] <= step]
+    if not trained:
+        return
+    first = min(start for start, _ in trained)
+    before = [path for path in complete_checkpoints(checkpoint.parent.parent)
+              if int(STEP_DIR.fullmatch(path.name).group(1)) < first]
+    rewind = (f"resume from a checkpoint before step {first}, e.g. resume={before[-1]}" if before else
+              f"no checkpoint of {checkpoint.parent.parent} is before step {first}: start a new run from the data's "
+              "start, or from trainer.init_weights")
+    raise UsageError(
+        f"Cannot resume from {checkpoint} with trainer.skip_steps {', '.join(f'[{a}, {b}]' for a, b in trained)}: "
+        f"that checkpoint has trained steps 1-{step} already, so those steps' batches cannot be dropped now. To "
+        f"pass over them, {rewind}."
+    )
 
 
 def _per_process_samples(leaves: dict) -> Optional[int]:

@@ -7,6 +7,7 @@ the host waits for nothing here, only in `settle`, which the loop calls where it
 """
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,14 @@ class TrainStep:
             if self.ema is not None:
                 self.ema.update_parameters(accelerator.unwrap_model(model))
         return StepResult(loss_sum, targets, tokens, grad_norm, applied, self.objective.training_metrics())
+
+    def pass_over(self) -> None:
+        """A step of trainer.skip_steps (src/loop/skip_steps.py): its batches are dropped, the LR schedule takes
+        its step. torch warns where a schedule steps before its optimizer ever has (a range from step 1): here no
+        optimizer step is meant."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.scheduler.step()
 
     def _scaler_skipped(self) -> bool:
         """fp16: whether the GradScaler skipped the step just taken (its gradients overflowed). Not accelerate's

@@ -199,6 +199,7 @@ class Telemetry:
             waited = time.perf_counter() - started
             self.interval_wait += waited
             self.phases["data wait"] += waited
+            self.window_read = (started, waited)
             yield window
 
     def step_finished(self, counted_targets: torch.Tensor) -> None:
@@ -209,6 +210,13 @@ class Telemetry:
         self.total_targets += counted_targets.detach()
         if self.profiler is not None:
             self.profiler.step()
+
+    def step_dropped(self) -> None:
+        """A step of trainer.skip_steps, its window read and dropped: neither step time nor data wait."""
+        started, waited = self.window_read
+        self.interval_wait -= waited
+        self.phases["data wait"] -= waited
+        self.interval_excluded += time.perf_counter() - started
 
     @contextlib.contextmanager
     def phase(self, name: str):

@@ -143,6 +143,13 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
         if trainer.max_steps is not None and trainer[key] > trainer.max_steps:
             warnings.append(f"trainer.{key}={trainer[key]} > trainer.max_steps={trainer.max_steps}: only the end of "
                             f"the run will {'evaluate' if key == 'eval_every' else 'save a checkpoint'}")
+    for first, last in trainer.skip_steps:
+        if not 1 <= first <= last:
+            problems.append(f"trainer.skip_steps: [{first}, {last}] is not a range of steps: each pair is [first, "
+                            "last], the steps numbered as the logs number them, with 1 <= first <= last")
+        elif trainer.max_steps is not None and first > trainer.max_steps:
+            warnings.append(f"trainer.skip_steps: [{first}, {last}] starts after trainer.max_steps="
+                            f"{trainer.max_steps}: it skips nothing in this run")
     warmup = OmegaConf.select(cfg, "scheduler.warmup_steps")
     if isinstance(warmup, int) and trainer.max_steps is not None and warmup >= trainer.max_steps:
         warnings.append(f"scheduler.warmup_steps={warmup} >= trainer.max_steps={trainer.max_steps}: the learning "

@@ -39,6 +39,10 @@ class TrainerConfig:
         "a NaN/inf loss or gradient norm: stop before applying it (error) or skip that optimizer step (skip)")] = "error"
     max_consecutive_skips: Annotated[int, Arg("with nonfinite=skip, stop after this many skipped steps in a row",
                                               ge=1)] = 10
+    skip_steps: Annotated[tuple[tuple[int, int], ...], Arg(
+        "optimizer steps whose batches are read and dropped untrained, as [first, last] pairs numbered as the logs "
+        "number steps, e.g. [[1041, 1100]]: past the data of a loss spike, resumed from a checkpoint before it; the "
+        "LR schedule moves through them as through trained steps")] = ()
     eval_every: Annotated[int, Arg("optimizer steps between evaluations (0: only at the end)", ge=0)] = 500
     eval_on_start: Annotated[bool, Arg("evaluate once before the first step, logged at step 0: where the eval "
                                        "curves start (a pretrained model's own metrics), and an evaluation that "
