@@ -80,6 +80,11 @@ RUN = [
      "resume=outputs/wsd/checkpoints/step_00005000 hydra.run.dir=outputs/wsd_5000",
      {"max_steps=6000": "max_steps=6", "decay_steps=1000": "decay_steps=1", "step_00005000": "step_00000005"},
      [*TINY, *WSD_STEPS]),
+    ("accelerate launch train.py data=shards data.path=data/play_shards scheduler=wsd trainer.max_steps=10000 "
+     "hydra.run.dir=outputs/plays", {"max_steps=10000": "max_steps=10"}, [*TINY, *WSD_STEPS]),
+    ("accelerate launch train.py data=shards data.path=data/speeches_shards trainer.resume_with_changed_data=true "
+     "resume=outputs/plays/checkpoints/step_00008000 hydra.run.dir=outputs/plays_decayed_on_speeches",
+     {"step_00008000": "step_00000008"}, [*TINY, *WSD_STEPS]),
     ("accelerate launch --multi_gpu --num_processes 2 train.py hydra.run.dir=outputs/run data.batch_size=4",
      {}, [*TINY, *STEPS]),
     ("accelerate launch train.py hydra.run.dir=outputs/run data.batch_size=4 trainer.gradient_accumulation_steps=2 "

@@ -56,6 +56,11 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
     state.load_state_dict({key: value for key, value in saved.items() if key in POSITION_KEYS})
     if restart_epoch and state.samples_into_epoch:
         state.epoch, state.samples_into_epoch = state.epoch + 1, 0
+    if restart_epoch and state.best_metric is not None:  # measured on the old validation data: no bar for the new
+        log.warning("resume: the data changed, so the best trainer.monitor value so far (%.6g at step %s, on the old "
+                    "validation data) and early stopping's count start afresh", state.best_metric, state.best_step)
+        state.best_metric = state.best_step = state.early_stopping_best = None
+        state.evals_without_improvement = 0
     log.info("resumed from %s at step %d (epoch %d, %d samples in)", checkpoint, state.step, state.epoch,
              state.samples_into_epoch)
 

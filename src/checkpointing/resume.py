@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, RUN_CONFIG, STEP_DIR, complete_checkpoints
 from src.checkpointing.plain_state import load_tree
 from src.checkpointing.training_state import SCHEDULER_FILE
+from src.data.base import IDS_MADE_BY
 from src.errors import UsageError
 from src.schema.build import build
 from src.schema.data_sizes import resolved_but_data_sizes
@@ -127,19 +128,22 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
     named = [override.split("=", 1)[0].lstrip("+~") for override in as_typed]
     scopes = [key if any(_under(leaf, key) for leaf in new_leaves) else "" for key in named]
     refused, changed, new_schedule = [], [], False
+    changing_data = bool(new_leaves.get("trainer.resume_with_changed_data"))
     same_samples = _per_process_samples(new_leaves) == _per_process_samples(old_leaves)
     if old_leaves.get("trainer.auto_micro_batch") and same_samples:
         # The checkpoint's micro-batch and accumulation were chosen to fit; the configured product stands.
         new_leaves.update({key: old_leaves[key] for key in ("data.batch_size", "trainer.gradient_accumulation_steps")})
     for leaf in sorted(new_leaves.keys() | old_leaves.keys()):
         new, old = new_leaves.get(leaf), old_leaves.get(leaf)
+        # Another data option (trainer.resume_with_changed_data): its keys replace the checkpoint's, null ones too.
+        other_keys = changing_data and _under(leaf, "data") and (leaf in new_leaves) != (leaf in old_leaves)
         if isinstance(new, str) and new.startswith(DATA_SIZE_PLACEHOLDER):
             continue  # derived from the data; the checkpoint's model has the value it was built with
         if (new is None or new == "auto") and leaf in LAUNCHER_SETTABLE:
             continue  # the checkpoint's value stands; launch_settings then checks the launcher against it
-        if new is None and leaf in DECIDED_BY_THE_RUN:
+        if new is None and leaf in DECIDED_BY_THE_RUN and not other_keys:
             continue  # the checkpoint's value stands
-        if new == old or not any(_under(leaf, scope) for scope in scopes):
+        if (new == old and not other_keys) or not any(_under(leaf, scope) for scope in scopes):
             continue
         if leaf == "trainer.skip_steps":
             check_new_skip_steps(old, new, checkpoint)
@@ -148,6 +152,11 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
             changed.append(f"{leaf}: {old} -> {new}")
         elif _under(leaf, "scheduler"):
             new_schedule = True  # taken as composed; schedule_for_resume checks it once the run's length is known
+        elif _under(leaf, "data") and changing_data:
+            # Other data (an annealing mixture): check_same_data then checks its ids and restarts its position.
+            _set_or_drop(saved, leaf, new, new_leaves)
+            changed.append(f"{leaf}: {old if leaf in old_leaves else '(none)'} -> "
+                           f"{new if leaf in new_leaves else '(none)'}")
         else:
             refused.append(f"{leaf}={new} (the checkpoint has {old})")
     if refused:
@@ -155,7 +164,8 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
             f"Cannot resume from {checkpoint} with a different model or setup:\n  " + "\n  ".join(refused)
             + f"\nOnly these may change on resume: {', '.join(sorted(SAFE_ON_RESUME | LAYOUT_ON_RESUME))} "
             f"({' and '.join(sorted(LAYOUT_ON_RESUME))} only while the global batch stays the same), and "
-            "scheduler.* while the steps taken keep their learning rates. "
+            "scheduler.* while the steps taken keep their learning rates, and data.* with "
+            "trainer.resume_with_changed_data=true (the data position then restarts at an epoch boundary). "
             "Start a new run (another hydra.run.dir) to change anything else."
         )
     if "trainer.max_steps" in named and saved.trainer.get("max_epochs") is not None and cfg.trainer.max_steps:
@@ -194,6 +204,20 @@ def check_new_skip_steps(old: Optional[list], new: Optional[list], checkpoint: P
     )
 
 
+def _set_or_drop(cfg: DictConfig, leaf: str, value, new_leaves: dict) -> None:
+    """Set a full key, or, where the new config has none (another data option's keys), remove it with the
+    outermost node of it that the new config lacks."""
+    if leaf in new_leaves:
+        OmegaConf.update(cfg, leaf, value, force_add=True)
+        return
+    parts = leaf.split(".")
+    depth = next(i for i in range(1, len(parts) + 1)
+                 if not any(_under(key, ".".join(parts[:i])) for key in new_leaves))
+    node = OmegaConf.select(cfg, ".".join(parts[:depth - 1]))
+    if node is not None and parts[depth - 1] in node:
+        del node[parts[depth - 1]]
+
+
 def _per_process_samples(leaves: dict) -> Optional[int]:
     batch, accumulation = leaves.get("data.batch_size"), leaves.get("trainer.gradient_accumulation_steps") or 1
     return batch * accumulation if isinstance(batch, int) else None
@@ -218,6 +242,15 @@ def check_same_data(checkpoint: Path, fingerprint: dict, accept_changed: bool) -
     saved = json.loads(file.read_text())
     if not any(key.startswith("file ") for key in saved):  # saved by a version that did not record files
         fingerprint = {key: value for key, value in fingerprint.items() if not key.startswith("file ")}
+    if IDS_MADE_BY not in saved:  # nor its codec's identity
+        fingerprint = {key: value for key, value in fingerprint.items() if key != IDS_MADE_BY}
+    elif saved[IDS_MADE_BY] != fingerprint.get(IDS_MADE_BY):  # no flag makes other ids mean the checkpoint's tokens
+        there, here = saved[IDS_MADE_BY], fingerprint.get(IDS_MADE_BY, "(no text)")
+        raise UsageError(
+            f"Cannot resume from {checkpoint} on this data: its ids are made by {_shown(here)}, but the checkpoint's "
+            f"model was trained on ids made by {_shown(there)}, so each id would mean another token. Tokenize the "
+            "data as that run did (data.tokenizer, data.level; for data=shards, scripts/prepare_data.py --tokenizer)."
+        )
     changed = [f"{key}: {saved.get(key, '(none)')!r} -> {fingerprint.get(key, '(none)')!r}"
                for key in sorted(saved.keys() | fingerprint.keys()) if saved.get(key) != fingerprint.get(key)]
     if not changed:
@@ -231,6 +264,13 @@ def check_same_data(checkpoint: Path, fingerprint: dict, accept_changed: bool) -
     log.warning("resume: the data differs from the checkpoint's (%s); trainer.resume_with_changed_data=true: "
                 "continuing from an epoch boundary", "; ".join(changed))
     return True
+
+
+def _shown(identity: str) -> str:
+    """A codec's identity for a message: a character set by its size and start, not every character."""
+    if identity.startswith(("tokenizer ", "characters ")) or identity in ("bytes", "(no text)"):
+        return identity
+    return f"the {len(identity)} characters {identity[:30]!r}" + ("..." if len(identity) > 30 else "")
 
 
 def schedule_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:

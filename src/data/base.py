@@ -60,6 +60,9 @@ def _spread(length: int, count: int) -> list[int]:
     return sorted({i * length // count for i in range(count)}) if length else []
 
 
+IDS_MADE_BY = "ids made by"  # the fingerprint's key for the codec's identity (src/checkpointing/resume.py)
+
+
 def _digest(items) -> str:
     """A short hash of samples (tensors, arrays, numbers, strings, nested in tuples, lists or mappings)."""
     hasher = hashlib.blake2b(digest_size=8)
@@ -172,6 +175,11 @@ class DataModule:
         what else identifies your data (a vocabulary)."""
         found: dict[str, Any] = {f"file {name}": file_digest(path) for name, path in sorted(self.source_files.items())}
         found.update(self.sizes())
+        if self.codec is not None:  # what the ids mean, alike for every data option: a resume on other data checks it
+            ids = self.codec.identity()
+            if len(ids) > 200:  # a large character set
+                ids = f"characters {hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()}"
+            found[IDS_MADE_BY] = ids
         for name, dataset in (("train", self.train), ("validation", self.val)):
             if isinstance(dataset, Sized):
                 found[f"{name} samples"] = len(dataset)

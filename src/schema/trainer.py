@@ -64,8 +64,10 @@ class TrainerConfig:
         "metric that picks the best checkpoint (null: none); one the objective reports, e.g. eval/loss")] = "eval/loss"
     monitor_mode: Annotated[Literal["min", "max"], Arg("whether the monitored metric is better low or high")] = "min"
     dist_timeout_s: Annotated[int, Arg("collective timeout: a lost peer ends the run with an error", ge=1)] = 1800
-    resume_with_changed_data: Annotated[bool, Arg("resume although the data differs from the checkpoint's "
-                                                  "fingerprint; its position then restarts at an epoch boundary")] = False
+    resume_with_changed_data: Annotated[bool, Arg(
+        "resume although the data differs from the checkpoint's fingerprint, or with other data.* keys (a WSD decay "
+        "on another mixture): weights, optimizer and schedule go on, the data position restarts at an epoch "
+        "boundary; its ids must still mean the checkpoint's tokens")] = False
     run_dir_lease_s: Annotated[float, Arg("a run holds its run dir (.run.lock, touched every lease/4); a holder silent "
                                           "this long is taken over, e.g. after its node was lost", gt=0)] = 60.0
     hang_report_s: Annotated[float, Arg("nothing progressed for this long (no step, evaluation batch, sample or save "
