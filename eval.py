@@ -57,6 +57,8 @@ def main(cfg: DictConfig) -> None:
 
     if getattr(objective, "reference_kind", None):  # objective=dpo: the run's reference model
         objective.reference = reference_for_evaluation(accelerator, run_cfg, source, objective)
+    if getattr(objective, "teacher_path", None):  # objective=distill: the teacher the run distilled from
+        objective.load_teacher(accelerator, data, accelerator.unwrap_model(model))
     forward = Forward(objective, compile=False)
     metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, forward).items()}
     if accelerator.is_main_process:

@@ -171,3 +171,19 @@ def test_reading_ahead_in_a_thread_on_cuda_trains_what_the_training_thread_reads
     gpu_run([*ahead, "trainer.max_steps=8", "resume=auto"])
     assert scalars(tmp_path / "ahead", "train/loss") == scalars(tmp_path / "in_thread", "train/loss")
     assert max_abs_diff(exported_weights(tmp_path / "in_thread"), exported_weights(tmp_path / "ahead")) == 0
+
+
+def test_a_student_distils_from_its_teacher_under_bf16_autocast_and_compile_on_cuda(tmp_path):
+    """The teacher runs eager under the student's autocast, outside the compiled step (src/objectives/distillation.py):
+    started from the teacher's weights the student diverges by bf16's rounding alone, and a smaller one learns."""
+    teacher, same, small = tmp_path / "teacher", tmp_path / "same", tmp_path / "small"
+    bf16 = [*SHORT, "trainer.mixed_precision=bf16", "optimizer.lr=1e-2", "scheduler=constant"]
+    gpu_run([*bf16, "trainer.max_steps=60", f"hydra.run.dir={teacher}"])
+    distil = [*bf16, "objective=distill", f"objective.teacher={teacher / 'model'}", "trainer.compile=true"]
+    gpu_run([*distil, f"trainer.init_weights={teacher / 'model'}", "trainer.max_steps=2", f"hydra.run.dir={same}"],
+            timeout=600)
+    assert abs(scalars(same, "train/kl")[1]) < 1e-2
+    gpu_run([*distil, "objective.kd_ratio=1", "model.n_embd=16", "trainer.max_steps=12", "trainer.eval_on_start=true",
+             f"hydra.run.dir={small}"], timeout=600)
+    kl = scalars(small, "eval/kl")
+    assert kl[12] < 0.5 * kl[0]

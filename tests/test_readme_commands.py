@@ -89,6 +89,10 @@ RUN = [
      {}, [*TINY, *STEPS]),
     ("accelerate launch train.py hydra.run.dir=outputs/run data.batch_size=4 trainer.gradient_accumulation_steps=2 "
      "resume=auto", {}, [*TINY, *STEPS, "trainer.max_steps=3"]),
+    ("accelerate launch train.py model.n_layer=6 optimizer.lr=6e-4 trainer.max_steps=5000 hydra.run.dir=outputs/teacher",
+     {}, [*TINY, *STEPS]),
+    ("accelerate launch train.py objective=distill objective.teacher=outputs/teacher/model model.n_layer=2 "
+     "hydra.run.dir=outputs/student", {}, [*TINY, *STEPS]),
     ("python eval.py path=outputs/RUN/model", {"RUN": "my_run"}, []),
     ("accelerate launch --multi_gpu --num_processes 2 eval.py path=outputs/RUN/checkpoints/step_00000500 "
      "+data.batch_size=256", {"RUN": "my_run", "step_00000500": "step_00000002"}, []),

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, RUN_CONFIG, STEP_DIR, complete_checkpoints
 from src.checkpointing.plain_state import load_tree
 from src.checkpointing.training_state import SCHEDULER_FILE
-from src.data.base import IDS_MADE_BY
+from src.data.base import IDS_MADE_BY, described_ids
 from src.errors import UsageError
 from src.schema.build import build
 from src.schema.data_sizes import resolved_but_data_sizes
@@ -149,7 +149,9 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
             check_new_skip_steps(old, new, checkpoint)
         if leaf in SAFE_ON_RESUME | LAYOUT_ON_RESUME:
             OmegaConf.update(saved, leaf, new, force_add=True)
-            changed.append(f"{leaf}: {old} -> {new}")
+            shown = "trainer.max_epochs x the steps of an epoch" if leaf == "trainer.max_steps" and new is None else new
+            if leaf != "resume":  # the resume itself is logged where it loads
+                changed.append(f"{leaf}: {old} -> {shown}")
         elif _under(leaf, "scheduler"):
             new_schedule = True  # taken as composed; schedule_for_resume checks it once the run's length is known
         elif _under(leaf, "data") and changing_data:
@@ -247,9 +249,10 @@ def check_same_data(checkpoint: Path, fingerprint: dict, accept_changed: bool) -
     elif saved[IDS_MADE_BY] != fingerprint.get(IDS_MADE_BY):  # no flag makes other ids mean the checkpoint's tokens
         there, here = saved[IDS_MADE_BY], fingerprint.get(IDS_MADE_BY, "(no text)")
         raise UsageError(
-            f"Cannot resume from {checkpoint} on this data: its ids are made by {_shown(here)}, but the checkpoint's "
-            f"model was trained on ids made by {_shown(there)}, so each id would mean another token. Tokenize the "
-            "data as that run did (data.tokenizer, data.level; for data=shards, scripts/prepare_data.py --tokenizer)."
+            f"Cannot resume from {checkpoint} on this data: its ids are made by {described_ids(here)}, but the "
+            f"checkpoint's model was trained on ids made by {described_ids(there)}, so each id would mean another "
+            "token. Tokenize the data as that run did (data.tokenizer, data.level; for data=shards, "
+            "scripts/prepare_data.py --tokenizer)."
         )
     changed = [f"{key}: {saved.get(key, '(none)')!r} -> {fingerprint.get(key, '(none)')!r}"
                for key in sorted(saved.keys() | fingerprint.keys()) if saved.get(key) != fingerprint.get(key)]
@@ -264,13 +267,6 @@ def check_same_data(checkpoint: Path, fingerprint: dict, accept_changed: bool) -
     log.warning("resume: the data differs from the checkpoint's (%s); trainer.resume_with_changed_data=true: "
                 "continuing from an epoch boundary", "; ".join(changed))
     return True
-
-
-def _shown(identity: str) -> str:
-    """A codec's identity for a message: a character set by its size and start, not every character."""
-    if identity.startswith(("tokenizer ", "characters ")) or identity in ("bytes", "(no text)"):
-        return identity
-    return f"the {len(identity)} characters {identity[:30]!r}" + ("..." if len(identity) > 30 else "")
 
 
 def schedule_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -> DictConfig:

@@ -63,6 +63,19 @@ def _spread(length: int, count: int) -> list[int]:
 IDS_MADE_BY = "ids made by"  # the fingerprint's key for the codec's identity (src/checkpointing/resume.py)
 
 
+def ids_made_by(codec: "Codec") -> str:
+    """What a codec's ids mean, as a fingerprint records it: its identity, a large character set as a digest."""
+    ids = codec.identity()
+    return f"characters {hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()}" if len(ids) > 200 else ids
+
+
+def described_ids(identity: str) -> str:
+    """ids_made_by's value for a message: a character set by its size and start, not every character."""
+    if identity.startswith(("tokenizer ", "characters ")) or identity in ("bytes", "(no text)"):
+        return identity
+    return f"the {len(identity)} characters {identity[:30]!r}" + ("..." if len(identity) > 30 else "")
+
+
 def _digest(items) -> str:
     """A short hash of samples (tensors, arrays, numbers, strings, nested in tuples, lists or mappings)."""
     hasher = hashlib.blake2b(digest_size=8)
@@ -176,10 +189,7 @@ class DataModule:
         found: dict[str, Any] = {f"file {name}": file_digest(path) for name, path in sorted(self.source_files.items())}
         found.update(self.sizes())
         if self.codec is not None:  # what the ids mean, alike for every data option: a resume on other data checks it
-            ids = self.codec.identity()
-            if len(ids) > 200:  # a large character set
-                ids = f"characters {hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()}"
-            found[IDS_MADE_BY] = ids
+            found[IDS_MADE_BY] = ids_made_by(self.codec)
         for name, dataset in (("train", self.train), ("validation", self.val)):
             if isinstance(dataset, Sized):
                 found[f"{name} samples"] = len(dataset)

@@ -1,0 +1,199 @@
+"""Knowledge distillation: a student trained towards a teacher's next-token distributions (objective=distill).
+
+Per counted target, the loss is
+
+    (1 - kd_ratio) x cross-entropy with the data's token  +  kd_ratio x temperature² x KL(teacher || student)
+
+with both distributions at `temperature` (Hinton et al. 2015; torchtune's knowledge-distillation recipe mixes the
+two the same way, forward KL at temperature 1). `divergence=reverse` takes KL(student || teacher) instead (MiniLLM:
+the student covers the teacher's main modes rather than all of them). Like every objective it returns sums over
+the counted targets (src/objectives/base.py), so the loss is exact on any number of processes and accumulation.
+
+The teacher is an export (RUN/model), a checkpoint (RUN/checkpoints/step_N) or a transformers folder or hub id,
+loaded once per process, frozen, and run without gradients under the student's autocast, outside the compiled
+step (with_reference, as DPO's reference model). Its ids must mean the data's tokens: its tokenizer or
+vocabulary.json is compared with the data's before anything trains. Both models' logits are compared over the
+vocabulary they share (a model may pad its output layer past the tokenizer's size).
+"""
+
+import json
+import logging
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from src.checkpointing.layout import DATA_FILE
+from src.errors import UsageError
+from src.loop.batches import call_model
+from src.objectives.base import PerSample
+from src.objectives.classification import CausalLM, CrossEntropy
+from src.schema.signature import Arg
+
+log = logging.getLogger(__name__)
+
+
+class Distillation(CrossEntropy):
+    """Targets given by the data as the next tokens (data=text, tokens, shards), as objective=cross_entropy."""
+
+    metric_names = ("loss", "accuracy", "ce", "kl")
+
+    def __init__(
+        self,
+        teacher: Annotated[str, Arg(
+            "the teacher: an export (RUN/model), a checkpoint (RUN/checkpoints/step_N), or a transformers "
+            "from_pretrained folder or hub id; its ids must mean the data's tokens")],
+        kd_ratio: Annotated[float, Arg("weight of the distillation term; 1 - kd_ratio weighs the cross-entropy "
+                                       "with the data's tokens", ge=0, le=1)] = 0.5,
+        temperature: Annotated[float, Arg("softens both distributions; the term is scaled by its square, so "
+                                          "its gradients keep their size", gt=0)] = 1.0,
+        divergence: Annotated[Literal["forward", "reverse"], Arg(
+            "forward: KL(teacher || student), the student covers all the teacher's mass; reverse: "
+            "KL(student || teacher), it seeks the teacher's main modes (MiniLLM)")] = "forward",
+        ignore_index: Annotated[int, Arg("target value that counts for nothing")] = -100,
+        target_key: Annotated[str, Arg("the batch key holding the targets (mapping batches)")] = "labels",
+    ):
+        super().__init__(ignore_index=ignore_index, target_key=target_key)
+        self.teacher_path, self.kd_ratio, self.temperature, self.divergence = (
+            teacher, kd_ratio, temperature, divergence)
+        self.teacher: Optional[torch.nn.Module] = None
+        self.accelerator = None
+        self._sums: Optional[torch.Tensor] = None  # this rank's (cross-entropy, KL) since the last logging step
+
+    # What the loop calls -----------------------------------------------------------------------------------------
+
+    def start(self, accelerator, model: torch.nn.Module, data, run_dir, checkpoint) -> None:
+        self.load_teacher(accelerator, data, accelerator.unwrap_model(model))
+        # Before the first micro-batch, so that every (compiled) step adds to a tensor: one graph, not two.
+        self._sums = torch.zeros(2, device=accelerator.device)
+
+    def with_reference(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> Mapping:
+        if self.teacher is None:
+            raise RuntimeError("objective=distill: start() was not called, so there is no teacher")
+        with torch.no_grad(), self.accelerator.autocast():  # the student's precision; the teacher is not prepared
+            teacher_logits = call_model(self.teacher, inputs)
+        return {"student": inputs, "teacher_logits": teacher_logits}
+
+    def model_loss_sum(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
+        ce, kl = self.token_terms(call_model(model, inputs["student"]), inputs["teacher_logits"], targets)
+        if self._sums is not None:
+            self._sums = self._sums + torch.stack([ce.sum(), kl.sum()]).detach()
+        return self.mixed(ce, kl).sum()
+
+    def model_metrics(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict[str, PerSample]:
+        logits = call_model(model, inputs["student"])
+        ce, kl = self.token_terms(logits, inputs["teacher_logits"], targets)
+        aligned_logits, aligned = self.aligned(logits, targets)
+        found = self._per_sample(self.mixed(ce, kl), aligned_logits.argmax(-1) == aligned, aligned)
+        weight = found["loss"][1]
+        dims = tuple(range(1, ce.dim()))
+        return {**found, "ce": (ce.sum(dims), weight), "kl": (kl.sum(dims), weight)}
+
+    def training_metrics(self) -> dict[str, torch.Tensor]:
+        """train/ce and train/kl per counted target (the loop divides the sums by the step's count)."""
+        if self._sums is None:
+            return {}
+        sums, self._sums = self._sums, torch.zeros_like(self._sums)
+        return {"ce": sums[0], "kl": sums[1]}
+
+    # The loss ----------------------------------------------------------------------------------------------------
+
+    def mixed(self, ce: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+        return (1 - self.kd_ratio) * ce + self.kd_ratio * self.temperature ** 2 * kl
+
+    def token_terms(self, logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per aligned target: the cross-entropy with the data's token and the divergence from the teacher, both 0
+        where the target counts for nothing. In fp32, as cross_entropy computes its loss."""
+        logits, aligned = self.aligned(logits, targets)
+        teacher_logits, _ = self.aligned(teacher_logits, targets)
+        counted = aligned != self.ignore_index
+        ce = F.cross_entropy(logits.float().flatten(0, -2), aligned.flatten(), ignore_index=self.ignore_index,
+                             reduction="none").view(aligned.shape)
+        shared = min(logits.shape[-1], teacher_logits.shape[-1])
+        student = F.log_softmax(logits[..., :shared].float() / self.temperature, dim=-1)
+        teacher = F.log_softmax(teacher_logits[..., :shared].float() / self.temperature, dim=-1)
+        first, second = (teacher, student) if self.divergence == "forward" else (student, teacher)
+        kl = (first.exp() * (first - second)).sum(-1)
+        return ce, torch.where(counted, kl, torch.zeros_like(kl))
+
+    # The teacher -------------------------------------------------------------------------------------------------
+
+    def load_teacher(self, accelerator, data, student: torch.nn.Module) -> None:
+        """The teacher on this process's device, frozen, after its ids and its vocabulary are checked against the
+        data's (every process loads its own copy: a teacher is not sharded). An export's config may name the
+        student's own class, which this run's config named, besides those config/ offers."""
+        from src.models.hub import MODEL_FILES, TOKENIZER_FILES, local_path
+
+        key = f"objective.teacher={self.teacher_path}"
+        folder = local_path(self.teacher_path, "objective.teacher", MODEL_FILES + TOKENIZER_FILES, quiet=True)
+        if not folder.is_dir():
+            raise UsageError(f"{key}: no such folder; give an export (RUN/model), a checkpoint "
+                             "(RUN/checkpoints/step_N), or a transformers folder or hub id")
+        check_same_ids(key, folder, getattr(data, "codec", None))
+        teacher = load_teacher_model(key, folder, {f"{type(student).__module__}.{type(student).__qualname__}"})
+        if getattr(data, "attends_per_document", False):  # data.packing=true: the teacher reads packed rows too
+            from src.data.packing import attend_per_document
+
+            attend_per_document(teacher)
+        vocab_size = data.sizes().get("vocab_size")
+        width = _output_width(teacher)
+        if vocab_size is not None and width is not None and width < vocab_size:
+            raise UsageError(f"{key}: the teacher scores {width} token ids, but the data has {vocab_size}")
+        self.teacher = teacher.to(accelerator.device).requires_grad_(False).eval()
+        self.accelerator = accelerator
+        if accelerator.is_main_process:
+            parameters = sum(p.numel() for p in teacher.parameters())
+            log.info("objective=distill: teacher %s (%s parameters, frozen, one copy per process), kd_ratio=%g, "
+                     "temperature=%g, %s KL", folder, f"{parameters:,}", self.kd_ratio, self.temperature,
+                     self.divergence)
+
+
+class CausalLMDistillation(CausalLM, Distillation):
+    """Hugging Face's convention: `labels` aligned with `input_ids`, shifted here (data=jsonl, hf_dataset, stream;
+    a transformers student), as objective=causal_lm."""
+
+
+def load_teacher_model(key: str, folder: Path, trusted: set[str]) -> torch.nn.Module:
+    """An export or a transformers folder (load_exported_model, as eval.py tells them), else a checkpoint (rebuilt
+    from its run's config)."""
+    from src.checkpointing.export import load_exported_model
+    from src.checkpointing.for_eval import load_checkpointed_model, run_config_for
+
+    try:
+        if (folder / "config.json").is_file() or (folder / "config.yaml").is_file():
+            return load_exported_model(folder, trusted=trusted, accept="a student of the same class, {key}={value}")
+        return load_checkpointed_model(folder, run_config_for(folder, trusted))
+    except FileNotFoundError as error:
+        raise UsageError(f"{key}: {error}") from None
+
+
+def check_same_ids(key: str, folder: Path, codec) -> None:
+    """The teacher's ids must mean the data's tokens: its codec (an export's vocabulary.json, a tokenizer) or its
+    checkpoint's data fingerprint, against the data's codec. A folder of weights alone cannot be checked: said."""
+    from src.data.base import IDS_MADE_BY, described_ids, ids_made_by
+    from src.data.tokenizer import Codec
+
+    if codec is None:
+        return
+    try:
+        theirs = ids_made_by(Codec.load(folder))
+    except FileNotFoundError:
+        fingerprint = folder / DATA_FILE
+        theirs = json.loads(fingerprint.read_text()).get(IDS_MADE_BY) if fingerprint.is_file() else None
+    ours = ids_made_by(codec)
+    if theirs is None:
+        log.warning("%s: the folder says nothing of how its ids were made (no tokenizer, vocabulary.json or "
+                    "data.json): they are taken to mean the data's tokens", key)
+    elif theirs != ours:
+        raise UsageError(f"{key}: the teacher reads ids as {described_ids(theirs)} made them, but this run's data "
+                         f"was tokenized by {described_ids(ours)}: each id would mean another token. Distil on data "
+                         "tokenized as the teacher's (data.tokenizer=the teacher's folder; data.level)")
+
+
+def _output_width(model: torch.nn.Module) -> Optional[int]:
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    if output is None:
+        output = getattr(model, "lm_head", None)
+    return getattr(output, "out_features", None) or getattr(getattr(output, "weight", None), "shape", [None])[0]

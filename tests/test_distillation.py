@@ -1,0 +1,129 @@
+"""objective=distill: a student trained towards a teacher's next-token distributions, with the teacher's ids checked
+against the data's, exact on any layout like every objective, and scored by eval.py with its teacher."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributions import Categorical, kl_divergence
+
+from src.objectives.distillation import CausalLMDistillation, Distillation
+from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, named, refused, run, scalars
+
+FAST = ["optimizer.lr=1e-2", "scheduler=constant"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory) -> Path:
+    """A character-level GPT trained far enough that its distributions are far from a fresh student's."""
+    run_dir = tmp_path_factory.mktemp("distill") / "teacher"
+    run([*TINY_GPT, *QUIET, *FAST, "trainer.max_steps=60", f"hydra.run.dir={run_dir}"])
+    return run_dir
+
+
+def distill(run_dir: Path, teacher: Path, *extra: str, nproc: int = 1, check: bool = True):
+    return run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={teacher / 'model'}",
+                "model.n_embd=16", "trainer.max_steps=12", f"hydra.run.dir={run_dir}", *extra], nproc=nproc,
+               check=check)
+
+
+@pytest.mark.parametrize("divergence", ["forward", "reverse"])
+def test_the_divergence_is_the_kl_of_the_two_distributions_at_the_temperature_over_counted_targets(divergence):
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 11), torch.randn(2, 5, 13)  # the teacher's output layer is wider (padding)
+    targets = torch.randint(0, 11, (2, 5))
+    targets[1, 3] = -100
+    objective = Distillation(teacher="unused", kd_ratio=0.25, temperature=2.0, divergence=divergence)
+    ce, kl = objective.token_terms(student, teacher, targets)
+    p_student, p_teacher = Categorical(logits=student / 2.0), Categorical(logits=teacher[..., :11] / 2.0)
+    expected = kl_divergence(p_teacher, p_student) if divergence == "forward" else kl_divergence(p_student, p_teacher)
+    counted = targets != -100
+    assert torch.allclose(kl[counted], expected[counted], atol=1e-6) and kl[~counted].eq(0).all()
+    assert torch.allclose(ce[counted], -torch.log_softmax(student, -1).gather(-1, targets.clamp(min=0)[..., None])
+                          [..., 0][counted], atol=1e-6)
+    assert torch.allclose(objective.mixed(ce, kl), 0.75 * ce + 0.25 * 4.0 * kl)
+    assert kl.sum() > 0 and objective.token_terms(student, student, targets)[1].abs().max() < 1e-6
+
+
+def test_the_causal_lm_form_shifts_both_models_logits_with_the_labels():
+    torch.manual_seed(0)
+    student, teacher, labels = torch.randn(1, 6, 7), torch.randn(1, 6, 7), torch.randint(0, 7, (1, 6))
+    shifted = CausalLMDistillation(teacher="unused").token_terms(student, teacher, labels)
+    plain = Distillation(teacher="unused").token_terms(student[:, :-1], teacher[:, :-1], labels[:, 1:])
+    assert all(torch.equal(a, b) for a, b in zip(shifted, plain))
+
+
+def test_a_student_started_from_its_teacher_diverges_by_nothing_and_a_smaller_one_closes_the_gap(teacher, tmp_path):
+    same = tmp_path / "same"
+    run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={teacher / 'model'}",
+         f"trainer.init_weights={teacher / 'model'}", "trainer.max_steps=1", f"hydra.run.dir={same}"])
+    assert scalars(same, "train/kl")[1] == 0  # the teacher read the same inputs, aligned the same way
+    small = tmp_path / "small"
+    proc = distill(small, teacher, "objective.kd_ratio=1", "trainer.eval_on_start=true")
+    named(proc.stdout, "objective=distill: teacher", "forward KL")
+    kl = scalars(small, "eval/kl")
+    assert kl[12] < 0.5 * kl[0]
+    assert scalars(small, "eval/loss") == kl  # kd_ratio=1: the loss is the divergence alone
+
+
+def test_with_no_distillation_term_the_student_trains_as_cross_entropy_trains_it(teacher, tmp_path):
+    distill(tmp_path / "kd0", teacher, "objective.kd_ratio=0")
+    run([*TINY_GPT, *QUIET, *FAST, "model.n_embd=16", "trainer.max_steps=12", f"hydra.run.dir={tmp_path / 'ce'}"])
+    assert max_abs_diff(exported_weights(tmp_path / "kd0"), exported_weights(tmp_path / "ce")) <= 1e-6
+
+
+def test_distillation_is_exact_on_two_processes_and_eval_py_scores_the_student_with_its_teacher(teacher, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    distill(one, teacher, "data.batch_size=8", "trainer.gradient_accumulation_steps=2")
+    distill(two, teacher, "data.batch_size=8", nproc=2)
+    assert max_abs_diff(exported_weights(one), exported_weights(two)) <= 1e-5
+    kl_one, kl_two = scalars(one, "train/kl"), scalars(two, "train/kl")
+    assert max(abs(kl_one[s] - kl_two[s]) for s in kl_one) <= 1e-5
+    run([f"path={two / 'model'}", "eval_batches=4"], script="eval.py")
+    scored = json.loads((two / "model" / "eval_metrics.json").read_text())
+    assert abs(scored["eval/kl"] - scalars(two, "eval/kl")[12]) <= 1e-5
+
+
+def test_a_teacher_whose_ids_mean_other_tokens_is_refused_before_training(tmp_path):
+    bytes_teacher = tmp_path / "bytes_teacher"
+    run([*TINY_GPT, *QUIET, "data.level=byte", "trainer.max_steps=1", f"hydra.run.dir={bytes_teacher}"])
+    proc = distill(tmp_path / "student", bytes_teacher, check=False)
+    refused(proc, f"objective.teacher={bytes_teacher / 'model'}", "bytes", "the 65 characters")
+    assert not (tmp_path / "student" / "checkpoints").exists()
+
+
+def test_a_checkpoint_teaches_as_its_export_does_and_a_transformers_folder_teaches_on_its_tokenizers_ids(
+        teacher, pretrained, tmp_path):
+    from_export, from_checkpoint = tmp_path / "from_export", tmp_path / "from_checkpoint"
+    distill(from_export, teacher, "trainer.max_steps=2")
+    checkpoint = teacher / "checkpoints" / "step_00000060"
+    run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={checkpoint}", "model.n_embd=16",
+         "trainer.max_steps=2", f"hydra.run.dir={from_checkpoint}"])
+    assert scalars(from_checkpoint, "train/kl") == scalars(from_export, "train/kl")
+    from_transformers = tmp_path / "from_transformers"
+    run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={pretrained}", "objective.kd_ratio=1",
+         f"data.tokenizer={pretrained}", "trainer.max_steps=12", "trainer.eval_on_start=true",
+         f"hydra.run.dir={from_transformers}"])
+    kl = scalars(from_transformers, "eval/kl")
+    assert kl[12] < 0.7 * kl[0]
+
+
+def test_a_transformers_student_distils_from_a_transformers_teacher_on_labels_in_hugging_faces_convention(
+        pretrained, tmp_path):
+    run_dir = tmp_path / "hf_student"
+    run(["model=hf_causal_lm", "model.config.n_layer=1", "model.config.n_head=2", "model.config.n_embd=16",
+         "data=jsonl", f"data.tokenizer={pretrained}", "objective=distill_causal_lm", f"objective.teacher={pretrained}",
+         "objective.kd_ratio=1", *QUIET, *FAST, "data.batch_size=8", "trainer.max_steps=12",
+         "trainer.eval_on_start=true", f"hydra.run.dir={run_dir}"])
+    kl = scalars(run_dir, "eval/kl")
+    assert kl[12] < 0.7 * kl[0]
+
+
+def test_a_compiled_student_reads_the_teachers_logits_computed_outside_its_graph(teacher, tmp_path):
+    run_dir = tmp_path / "compiled"
+    run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={teacher / 'model'}",
+         f"trainer.init_weights={teacher / 'model'}", "trainer.max_steps=2", "trainer.compile=true",
+         f"hydra.run.dir={run_dir}"])
+    kl, ce = scalars(run_dir, "train/kl"), scalars(run_dir, "train/ce")
+    assert abs(kl[1]) < 1e-6 and sorted(ce) == [1, 2] and ce[1] > 1  # the terms summed inside the compiled step
