@@ -9,7 +9,17 @@ import torch
 from torch.distributions import Categorical, kl_divergence
 
 from src.objectives.distillation import CausalLMDistillation, Distillation
-from tests.conftest import QUIET, TINY_GPT, exported_weights, max_abs_diff, named, refused, run, scalars
+from tests.conftest import (
+    FSDP_ON_CPU,
+    QUIET,
+    TINY_GPT,
+    exported_weights,
+    max_abs_diff,
+    named,
+    refused,
+    run,
+    scalars,
+)
 
 FAST = ["optimizer.lr=1e-2", "scheduler=constant"]
 
@@ -127,3 +137,15 @@ def test_a_compiled_student_reads_the_teachers_logits_computed_outside_its_graph
          f"hydra.run.dir={run_dir}"])
     kl, ce = scalars(run_dir, "train/kl"), scalars(run_dir, "train/ce")
     assert abs(kl[1]) < 1e-6 and sorted(ce) == [1, 2] and ce[1] > 1  # the terms summed inside the compiled step
+
+
+def test_under_fsdp_the_teacher_is_sharded_as_the_student_and_trains_what_ddp_trains(teacher, tmp_path):
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    distill(ddp, teacher, "data.batch_size=8", "trainer.max_steps=4", nproc=2)
+    proc = run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={teacher / 'model'}",
+                "model.n_embd=16", "data.batch_size=8", "trainer.max_steps=4", f"hydra.run.dir={fsdp}"], nproc=2,
+               **FSDP_ON_CPU)
+    named(proc.stdout, "frozen, sharded over the processes")
+    kl_ddp, kl_fsdp = scalars(ddp, "train/kl"), scalars(fsdp, "train/kl")
+    assert sorted(kl_fsdp) == [1, 2, 3, 4] and max(abs(kl_ddp[s] - kl_fsdp[s]) for s in kl_ddp) <= 1e-5
+    assert max_abs_diff(exported_weights(ddp), exported_weights(fsdp)) <= 1e-5

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from src.checkpointing.layout import DATA_FILE
+from src.checkpointing.training_state import sharded
 from src.errors import UsageError
 from src.loop.batches import call_model
 from src.objectives.base import PerSample
@@ -122,8 +123,8 @@ class Distillation(CrossEntropy):
 
     def load_teacher(self, accelerator, data, student: torch.nn.Module) -> None:
         """The teacher on this process's device, frozen, after its ids and its vocabulary are checked against the
-        data's (every process loads its own copy: a teacher is not sharded). An export's config may name the
-        student's own class, which this run's config named, besides those config/ offers."""
+        data's; under FSDP sharded as the student is (each process reads it whole into host memory first). An
+        export's config may name the student's own class, which this run's config named, besides config/'s."""
         from src.models.hub import MODEL_FILES, TOKENIZER_FILES, local_path
 
         key = f"objective.teacher={self.teacher_path}"
@@ -141,13 +142,18 @@ class Distillation(CrossEntropy):
         width = _output_width(teacher)
         if vocab_size is not None and width is not None and width < vocab_size:
             raise UsageError(f"{key}: the teacher scores {width} token ids, but the data has {vocab_size}")
-        self.teacher = teacher.to(accelerator.device).requires_grad_(False).eval()
+        parameters = sum(p.numel() for p in teacher.parameters())
+        teacher.requires_grad_(False).eval()
+        if sharded(accelerator):  # FSDP: sharded as the student is (accelerate's wrapping), each rank its part
+            from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+            self.teacher, held = fsdp2_prepare_model(accelerator, teacher), "sharded over the processes"
+        else:
+            self.teacher, held = teacher.to(accelerator.device), "one copy per process"
         self.accelerator = accelerator
         if accelerator.is_main_process:
-            parameters = sum(p.numel() for p in teacher.parameters())
-            log.info("objective=distill: teacher %s (%s parameters, frozen, one copy per process), kd_ratio=%g, "
-                     "temperature=%g, %s KL", folder, f"{parameters:,}", self.kd_ratio, self.temperature,
-                     self.divergence)
+            log.info("objective=distill: teacher %s (%s parameters, frozen, %s), kd_ratio=%g, temperature=%g, %s KL",
+                     folder, f"{parameters:,}", held, self.kd_ratio, self.temperature, self.divergence)
 
 
 class CausalLMDistillation(CausalLM, Distillation):
