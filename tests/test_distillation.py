@@ -69,6 +69,12 @@ def test_a_student_started_from_its_teacher_diverges_by_nothing_and_a_smaller_on
     run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={teacher / 'model'}",
          f"trainer.init_weights={teacher / 'model'}", "trainer.max_steps=1", f"hydra.run.dir={same}"])
     assert scalars(same, "train/kl")[1] == 0  # the teacher read the same inputs, aligned the same way
+    rounded = tmp_path / "rounded"
+    proc = run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={teacher / 'model'}",
+                "objective.teacher_dtype=bfloat16", f"trainer.init_weights={teacher / 'model'}", "trainer.max_steps=1",
+                f"hydra.run.dir={rounded}"])
+    named(proc.stdout, "parameters in bfloat16")
+    assert 0 < abs(scalars(rounded, "train/kl")[1]) < 1e-3  # the same teacher, its weights rounded to bf16
     small = tmp_path / "small"
     proc = distill(small, teacher, "objective.kd_ratio=1", "trainer.eval_on_start=true")
     named(proc.stdout, "objective=distill: teacher", "forward KL")
