@@ -1,4 +1,4 @@
-"""Is the template as fast and as exact as the alternatives? Thirteen benchmarks, one module each in
+"""Is the template as fast and as exact as the alternatives? Fourteen benchmarks, one module each in
 scripts/benchmarks/ (its docstring says what it compares and how both sides are measured); results in
 scripts/BENCHMARKS.md.
 
@@ -15,6 +15,7 @@ scripts/BENCHMARKS.md.
     python scripts/benchmark.py preference                                # DPO: LoRA vs a reference copy, vs TRL
     python scripts/benchmark.py optimizers                                # muon vs adamw: loss at equal steps
     python scripts/benchmark.py schedules                                 # one WSD run's decays vs cosine runs
+    python scripts/benchmark.py distill                                   # a student distilled vs the data alone
     python scripts/benchmark.py parity --device cuda --mixed-precision bf16 --peak-tflops 989 \
         model.n_layer=12 model.n_head=12 model.n_embd=768 model.block_size=1024 data.batch_size=16
 
@@ -29,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 from scripts.benchmarks import (  # noqa: E402
     checkpoint,
     data,
+    distill,
     gpu,
     loss_memory,
     nanogpt,
@@ -44,7 +46,7 @@ from scripts.benchmarks import (  # noqa: E402
 from scripts.benchmarks.common import ROOT  # noqa: E402
 
 BENCHMARKS = (parity, nanogpt, startup, checkpoint, gpu, stop_vote, scale, loss_memory, packing, data,
-              preference, optimizers, schedules)
+              preference, optimizers, schedules, distill)
 
 
 def main() -> None:
@@ -55,7 +57,8 @@ def main() -> None:
         runs.update(benchmark.add_commands(commands))
     for name, command in commands.choices.items():
         if not name.startswith("_"):  # a worker (one side's process) is told its repeats by its benchmark
-            command.add_argument("--repeats", type=int, default=1 if name in ("gpu", "optimizers", "schedules") else 3)
+            once = ("gpu", "optimizers", "schedules", "distill")  # seeds, not repeats, give their spread
+            command.add_argument("--repeats", type=int, default=1 if name in once else 3)
     commands.choices["_stop_vote"].add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.command.startswith("_"):  # a worker: it prints its own result

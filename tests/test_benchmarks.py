@@ -115,8 +115,11 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
     (["schedules", "trainer.log_every=1", "--lengths", "4", "6", "--seeds", "1"],
      lambda r: r["wsd: mean"]["full_val_loss"]["4"] * r["cosine: mean"]["full_val_loss"]["6"]
      * (r["wsd: mean"]["steps for every length"] < r["cosine: mean"]["steps for every length"])),
+    (["distill", "trainer.log_every=1", "trainer.max_steps=3", "--seeds", "1", "--kd-ratios", "1.0"],
+     lambda r: r["teacher"]["full_val_loss"] * r["mean"]["distill kd_ratio=1.0"]["full_val_loss"]
+     * r["mean"]["data alone"]["ms_per_step"]),
 ], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data", "preference", "preference-packing",
-        "optimizers", "schedules"])
+        "optimizers", "schedules", "distill"])
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
     args = [*command, "--dir", str(tmp_path)] if command[0] in ("checkpoint", "scale") else command
