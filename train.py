@@ -35,6 +35,7 @@ from src.loop.eval_tasks import EvalTasks
 from src.loop.evaluation import Evaluation
 from src.loop.sampling import Sampler
 from src.loop.skip_steps import SkipSteps
+from src.loop.spikes import SpikeWatch
 from src.loop.step import TrainStep
 from src.loop.stopping import FINISHED, PREEMPTED, StopDecision
 from src.loop.stream_position import StreamPosition
@@ -95,6 +96,7 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     preemption = PreemptionWatch(accelerator.num_processes)  # SIGTERM, SIGUSR1/2, Ctrl-C: save, then stop
     stop = StopDecision(trainer, preemption)
     skip = SkipSteps(trainer.skip_steps, accelerator.is_main_process)
+    spikes = SpikeWatch(trainer.spike_factor, run_dir, trainer.log_every, accelerator.is_main_process)
     progress = Progress(accelerator, trainer.max_steps, state.step, trainer.progress_interval_s)
     model.train()
     evaluate.before_training(state.step)  # trainer.eval_on_start: a fresh run's metrics at step 0
@@ -117,7 +119,9 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
         signalled = preemption.step_finished()  # the same on every rank
         if logging_step or evaluating or signalled or checkpointer.saves_at(state.step):
             train_step.settle()  # stops at a non-finite step before anything of it is logged or saved
-        progress.report(state.step, {**train_step.scalars(result), **telemetry.scalars()} if logging_step else {})
+        scalars = {**train_step.scalars(result), **telemetry.scalars()} if logging_step else {}
+        progress.report(state.step, scalars)
+        spikes.logged(state.step, scalars)  # trainer.spike_factor: a loss spike, and the rewind that skips its data
         step_metrics = evaluate(state.step) if evaluating else None
         sampler.step_finished(state.step, model)  # trainer.sample_every: text from rank 0
         stop_reason = stop.after_step(state, step_metrics, signalled)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from src.errors import ConfigError
 from src.loop.skip_steps import SkipSteps
+from src.loop.spikes import SpikeWatch
 from src.schema.complete import complete_config
 from tests.conftest import (
     QUIET,
@@ -115,3 +116,56 @@ def test_overlapping_and_adjacent_ranges_join_and_each_is_announced_once(caplog)
     assert [step for step in range(1, 12) if skip.covers(step)] == [3, 4, 5, 6, 8, 9]
     assert [r.getMessage().split(" read")[0] for r in caplog.records] == ["trainer.skip_steps: steps 3-6",
                                                                           "trainer.skip_steps: steps 8-9"]
+
+
+def watch(tmp_path: Path, saved: tuple[int, ...] = (), factor: float = 3.0) -> SpikeWatch:
+    for step in saved:
+        checkpoint(tmp_path, step).mkdir(parents=True)
+    return SpikeWatch(factor, tmp_path, log_every=10)
+
+
+def test_a_falling_or_noisy_loss_is_no_spike_and_a_jump_is_reported_once_naming_the_rewind(tmp_path):
+    spikes = watch(tmp_path, saved=(100, 200, 300))
+    falling = [4.0 * 0.97 ** i * (1.1 if i % 3 else 0.9) for i in range(40)]  # steps 10..400, noisy
+    assert not any(spikes.logged(10 * (i + 1), {"train/loss": loss}) for i, loss in enumerate(falling))
+    usual = sorted(falling[-20:])[10]
+    report = spikes.logged(410, {"train/loss": 3.5 * usual})
+    named(report, "spiked at step 410", f"resume={checkpoint(tmp_path, 300)}", "'trainer.skip_steps=[[301,410]]'",
+          f"hydra.run.dir={tmp_path}")
+    assert spikes.logged(420, {"train/loss": 3.4 * usual}) is None  # the same spike: said once
+    assert spikes.logged(430, {"train/loss": usual}) is None
+    named(spikes.logged(440, {"train/loss": 5 * usual}), "spiked at step 440")  # back down, then a new one
+    assert spikes.logged(450, {}) is None  # a step that logs nothing
+    quiet = SpikeWatch(None, tmp_path, log_every=10)
+    assert not any(quiet.logged(step, {"train/loss": 100.0 * step}) for step in range(10, 200, 10))
+
+
+def test_a_spike_before_any_checkpoint_says_there_is_none_to_rewind_to(tmp_path):
+    spikes = watch(tmp_path, saved=(50,))  # saved at step 50, but the spike may have begun at step 41
+    for step in range(10, 60, 10):
+        spikes.logged(step, {"train/loss": 2.0})
+    named(spikes.logged(50, {"train/loss": 7.0}), "No checkpoint before it")
+
+
+def test_the_rewind_a_launched_run_reports_for_a_spike_is_one_it_accepts(tmp_path):
+    """A low factor on a flat, noisy loss (optimizer.lr=1e-9): the first logged loss above the median is reported, and
+    the command it names resumes, skipping from the step after that checkpoint."""
+    args = [*TINY_GPT, *QUIET, "optimizer.lr=1e-9", "trainer.spike_factor=1.001", "trainer.checkpoint_every=4",
+            "trainer.max_steps=16"]
+    proc = run([*args, f"hydra.run.dir={tmp_path / 'run'}"])
+    report = next(line for line in proc.stdout.splitlines() if "train/loss spiked at step" in line)
+    command = report.split("rewind past its data (docs/checkpoints.md, 'Past a loss spike'): ")[1].split()
+    resume, skip = command[0], command[1].strip("'")
+    assert resume.startswith(f"resume={tmp_path / 'run' / 'checkpoints'}") and skip.startswith("trainer.skip_steps")
+    resumed = run([*args, resume, skip, f"hydra.run.dir={tmp_path / 'run'}"])
+    named(resumed.stdout, "override accepted: trainer.skip_steps", "read their batches and drop them untrained")
+
+
+def test_a_long_spike_does_not_raise_the_bar_the_next_one_is_measured_against(tmp_path):
+    spikes = watch(tmp_path, saved=(10,))
+    for step in range(10, 110, 10):
+        spikes.logged(step, {"train/loss": 2.0})
+    assert spikes.logged(110, {"train/loss": 7.0}) is not None
+    assert not any(spikes.logged(step, {"train/loss": 7.0}) for step in range(120, 300, 10))  # 18 logged, high
+    spikes.logged(300, {"train/loss": 2.0})
+    assert spikes.logged(310, {"train/loss": 7.0}) is not None

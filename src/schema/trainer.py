@@ -39,6 +39,9 @@ class TrainerConfig:
         "a NaN/inf loss or gradient norm: stop before applying it (error) or skip that optimizer step (skip)")] = "error"
     max_consecutive_skips: Annotated[int, Arg("with nonfinite=skip, stop after this many skipped steps in a row",
                                               ge=1)] = 10
+    spike_factor: Annotated[Optional[float], Arg(
+        "a logged train/loss above this many times the median of the last 20 logged is reported as a spike, with "
+        "the command that rewinds past its data (trainer.skip_steps; null: not watched)", gt=1)] = 3.0
     skip_steps: Annotated[tuple[tuple[int, int], ...], Arg(
         "optimizer steps whose batches are read and dropped untrained, as [first, last] pairs numbered as the logs "
         "number steps, e.g. [[1041, 1100]]: past the data of a loss spike, resumed from a checkpoint before it; the "
