@@ -19,6 +19,7 @@ new one is written and nothing is atomic, so a kill during a save can leave no l
 
 import re
 from pathlib import Path
+from typing import Optional
 
 STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -43,3 +44,11 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     root = run_dir / "checkpoints"
     found = [p for p in root.glob("step_*") if p.is_dir() and STEP_DIR.fullmatch(p.name)] if root.is_dir() else []
     return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name).group(1)))
+
+
+def newest_checkpoint_before(run_dir: Path, step: int) -> Optional[tuple[Path, int]]:
+    """The newest complete checkpoint of a run saved before optimizer step `step`, and its step (None: none is):
+    where a rewind past that step starts."""
+    steps = [(path, int(STEP_DIR.fullmatch(path.name).group(1))) for path in complete_checkpoints(run_dir)]
+    before = [found for found in steps if found[1] < step]
+    return before[-1] if before else None

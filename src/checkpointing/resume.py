@@ -12,7 +12,14 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, RUN_CONFIG, STEP_DIR, complete_checkpoints
+from src.checkpointing.layout import (
+    CONFIG_FILE,
+    DATA_FILE,
+    RUN_CONFIG,
+    STEP_DIR,
+    complete_checkpoints,
+    newest_checkpoint_before,
+)
 from src.checkpointing.plain_state import load_tree
 from src.checkpointing.training_state import SCHEDULER_FILE
 from src.data.base import IDS_MADE_BY, described_ids
@@ -194,9 +201,8 @@ def check_new_skip_steps(old: Optional[list], new: Optional[list], checkpoint: P
     if not trained:
         return
     first = min(start for start, _ in trained)
-    before = [path for path in complete_checkpoints(checkpoint.parent.parent)
-              if int(STEP_DIR.fullmatch(path.name).group(1)) < first]
-    rewind = (f"resume from a checkpoint before step {first}, e.g. resume={before[-1]}" if before else
+    before = newest_checkpoint_before(checkpoint.parent.parent, first)
+    rewind = (f"resume from a checkpoint before step {first}, e.g. resume={before[0]}" if before else
               f"no checkpoint of {checkpoint.parent.parent} is before step {first}: start a new run from the data's "
               "start, or from trainer.init_weights")
     raise UsageError(

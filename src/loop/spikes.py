@@ -12,7 +12,7 @@ from pathlib import Path
 from statistics import median
 from typing import Optional
 
-from src.checkpointing.layout import STEP_DIR, complete_checkpoints, step_dir_name
+from src.checkpointing.layout import newest_checkpoint_before
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,11 @@ class SpikeWatch:
 
     def report(self, step: int, loss: float, usual: float) -> str:
         first = max(step - self.log_every + 1, 1)  # the spike began after the last logged step
-        before = [int(STEP_DIR.fullmatch(p.name).group(1)) for p in complete_checkpoints(self.run_dir)]
-        before = [saved for saved in before if saved < first]
+        before = newest_checkpoint_before(self.run_dir, first)
         what = (f"train/loss spiked at step {step}: {loss:.4g}, {loss / usual:.1f} times the median of the last "
                 f"{len(self.recent)} logged ({usual:.4g}; trainer.spike_factor={self.factor:g}).")
-        if not before:
+        if before is None:
             return what + " No checkpoint before it to rewind to."
+        path, saved = before
         return (what + f" If it does not come back down, rewind past its data (docs/checkpoints.md, 'Past a loss "
-                f"spike'): resume={self.run_dir / 'checkpoints' / step_dir_name(before[-1])} "
-                f"'trainer.skip_steps=[[{before[-1] + 1},{step}]]' hydra.run.dir={self.run_dir}")
+                f"spike'): resume={path} 'trainer.skip_steps=[[{saved + 1},{step}]]' hydra.run.dir={self.run_dir}")
