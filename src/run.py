@@ -26,7 +26,7 @@ from src.checkpointing.resume import check_same_data, schedule_for_resume
 from src.checkpointing.training_state import leaves_out_frozen
 from src.data.base import DataModule
 from src.data.packing import attend_per_document
-from src.data.tokenizer import BUILT_IN_TOKENIZERS, Codec
+from src.data.tokenizer import BUILT_IN_TOKENIZERS, check_same_ids
 from src.errors import UsageError
 from src.faults.run_dir_lock import acquire_run_dir
 from src.launch.accelerator import build_accelerator
@@ -177,15 +177,9 @@ def check_tokenized_for_pretrained(data: DataModule, model_cfg: DictConfig) -> N
         return
     folder = local_path(str(pretrained), "model.pretrained", TOKENIZER_FILES, revision=model_cfg.get("revision"),
                         quiet=True)
-    try:
-        theirs = Codec.load(folder)
-    except FileNotFoundError:  # weights alone: nothing to compare with
-        return
-    if theirs.identity() != codec.identity():
-        raise UsageError(f"model.pretrained={pretrained} reads token ids as its {theirs.describe()} made them, but "
-                         f"this run's data was tokenized by {codec.describe()}: each id would mean another token. "
-                         "Tokenize the data with the model's tokenizer: data.tokenizer (by default the model's), or, "
-                         f"for data=shards, scripts/prepare_data.py --tokenizer {pretrained}")
+    check_same_ids(f"model.pretrained={pretrained}", folder, codec, "the model reads",
+                   "Tokenize the data with the model's tokenizer: data.tokenizer (by default the model's), or, for "
+                   f"data=shards, scripts/prepare_data.py --tokenizer {pretrained}")
 
 
 def with_values(cfg: DictConfig, values: dict[str, Any]) -> DictConfig:

@@ -348,3 +348,30 @@ def test_init_weights_that_cannot_serve_this_run_are_refused_before_training(tmp
     proc = run([*FROM_SCRATCH, "trainer.max_steps=2", *args, f"hydra.run.dir={tmp_path / 'run'}"], check=False)
     refused(proc, args[-1], *names)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_init_weights_from_a_checkpoint_of_prompted_data_is_refused_on_characters_that_fit_but_mean_others(tmp_path):
+    """data=jsonl's fingerprint has no `vocabulary`, only `ids made by`: a checkpoint's data.json must be read by it,
+    or a character set of the same size (so the same embedding) but other characters trains on shifted ids."""
+    speeches = (ROOT / "data" / "shakespeare_speeches.jsonl").read_text()
+    other = tmp_path / "other.jsonl"
+    other.write_text(speeches.replace("Q", "#"))  # 63 characters either way, from '#' on each id another
+    jsonl = [*FROM_SCRATCH, "data=jsonl", "data.tokenizer=char", "objective=causal_lm", "trainer.max_steps=2"]
+    run([*jsonl, f"data.path={ROOT / 'data' / 'shakespeare_speeches.jsonl'}", f"hydra.run.dir={tmp_path / 'a'}"])
+    checkpoint = next((tmp_path / "a" / "checkpoints").iterdir())
+    proc = run([*jsonl, f"data.path={other}", f"trainer.init_weights={checkpoint}", f"hydra.run.dir={tmp_path / 'b'}"],
+               check=False)
+    refused(proc, f"trainer.init_weights={checkpoint}", "the 63 characters", "data.tokenizer")
+    assert not (tmp_path / "b" / "checkpoints").exists()
+
+
+def test_a_checkpoint_from_before_ids_made_by_is_still_checked_by_its_text_vocabulary(tmp_path):
+    from src.data.tokenizer import Codec, check_same_ids
+    from src.errors import UsageError
+
+    codec = Codec("char", "abd")
+    (tmp_path / "data.json").write_text(json.dumps({"vocabulary": "abc"}))
+    with pytest.raises(UsageError, match="another token"):
+        check_same_ids("key", tmp_path, codec, "it reads", "", fingerprint={"vocabulary": "abd"})
+    assert check_same_ids("key", tmp_path, codec, "it reads", "", fingerprint={"vocabulary": "abc"})
+    assert not check_same_ids("key", tmp_path / "nothing", codec, "it reads", "", fingerprint={"vocabulary": "abc"})

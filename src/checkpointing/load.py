@@ -14,10 +14,10 @@ from safetensors import safe_open
 from safetensors.torch import load_model
 
 from src.checkpointing.checksums import CHECKSUMS, verified
-from src.checkpointing.layout import DATA_FILE, EMA_FILE, STATE_FILE
+from src.checkpointing.layout import EMA_FILE, STATE_FILE
 from src.checkpointing.training_state import checked_base_weights, random_states_file
 from src.checkpointing.training_state import load as load_training_state
-from src.data.tokenizer import Codec
+from src.data.tokenizer import Codec, check_same_ids
 from src.errors import UsageError
 from src.loop.train_state import TrainState
 
@@ -139,32 +139,10 @@ def load_initial_weights(model: torch.nn.Module, source: Path, model_cfg: DictCo
             pass
     except Exception as error:  # safetensors raises its own error types
         raise UsageError(f"{key}: {file} is corrupt or truncated ({error})") from None
-    theirs, ours = trained_vocabulary(source, codec, fingerprint)
-    if theirs != ours:
-        there, here = _around_first_difference(theirs, ours)
-        raise UsageError(f"{key}: those weights were trained on another vocabulary than this run's data has "
-                         f"({there!r} there, {here!r} here), so each token id would mean another token: "
-                         "tokenize this data as that run did (data.tokenizer, data.level)")
+    check_same_ids(key, source, codec, "those weights read", "Tokenize this data as that run did (data.tokenizer, "
+                   "data.level)", fingerprint)
     if read:
         if (source / CHECKSUMS).is_file():  # a checkpoint: its bytes as written (an export records no CRC)
             verified(source, file)
         with model_must_fit(key, "Give this run the model settings (model.*) of the run that trained them."):
             load_model(model, file, strict=True)
-
-
-def trained_vocabulary(source: Path, codec: Optional[Codec], fingerprint: dict) -> tuple[Optional[str], Optional[str]]:
-    """How text became ids for the source's weights and for this run's data, in the same form: both codecs where
-    the source is an export (which keeps its codec), else both data fingerprints' vocabulary (a checkpoint keeps
-    its data's); (None, None) where either side has none (data that is not text)."""
-    if (source / Codec.SAVED).is_file() and codec is not None:
-        return Codec.load(source).identity(), codec.identity()
-    if (source / DATA_FILE).is_file() and "vocabulary" in fingerprint:
-        return json.loads((source / DATA_FILE).read_text()).get("vocabulary"), fingerprint["vocabulary"]
-    return None, None
-
-
-def _around_first_difference(theirs: str, ours: str, context: int = 10, width: int = 30) -> tuple[str, str]:
-    first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
-    start = max(0, first - context)
-    return tuple(("..." if start else "") + text[start:start + width] + ("..." if len(text) > start + width else "")
-                 for text in (theirs, ours))

@@ -221,3 +221,44 @@ def end_of_text_id(file: Path, tokenizer: Any) -> Optional[int]:
     token = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
     token = token.get("content") if isinstance(token, dict) else token
     return tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+
+def check_same_ids(key: str, folder: Path, codec: Optional[Codec], reads: str, remedy: str,
+                   fingerprint: Optional[dict] = None) -> bool:
+    """Weights in `folder` read ids as the folder says they were made; this run's data must mean the same tokens by
+    them, else each id would mean another token, silently wherever the ids fit the embedding. What the folder says:
+    its tokenizer or vocabulary.json (an export, a transformers folder), else its data.json (a checkpoint: `ids made
+    by`, or for older checkpoints of text data their `vocabulary`, compared with this run's `fingerprint`'s).
+    Refused naming `key`, what `reads` them and the `remedy`; False where there is nothing to compare (data that is
+    not text, a folder of weights alone)."""
+    from src.checkpointing.layout import DATA_FILE
+    from src.data.base import IDS_MADE_BY, described_ids, ids_made_by
+
+    if codec is None:
+        return False
+    ours = ids_made_by(codec)
+    try:
+        theirs = ids_made_by(Codec.load(folder))
+    except FileNotFoundError:
+        saved = json.loads((folder / DATA_FILE).read_text()) if (folder / DATA_FILE).is_file() else {}
+        theirs = saved.get(IDS_MADE_BY)
+        if theirs is None and "vocabulary" in saved and fingerprint and "vocabulary" in fingerprint:
+            theirs, ours = saved["vocabulary"], fingerprint["vocabulary"]  # a checkpoint from before `ids made by`
+    if theirs is None:
+        return False
+    if theirs != ours:
+        raise UsageError(f"{key}: {reads} token ids as {described_ids(theirs)} made them, but this run's data was "
+                         f"tokenized by {described_ids(ours)}{_first_difference(theirs, ours)}: each id would mean "
+                         f"another token. {remedy}")
+    return True
+
+
+def _first_difference(theirs: str, ours: str, context: int = 10, width: int = 30) -> str:
+    """Where two character sets part, for a message (tokenizers and bytes are told apart by their names)."""
+    if any(text.startswith(("tokenizer ", "characters ")) or text == "bytes" for text in (theirs, ours)):
+        return ""
+    first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+    start = max(0, first - context)
+    there, here = (("..." if start else "") + text[start:start + width] + ("..." if len(text) > start + width else "")
+                   for text in (theirs, ours))
+    return f" (they part at {there!r} there, {here!r} here)"

@@ -16,7 +16,6 @@ vocabulary.json is compared with the data's before anything trains. Both models'
 vocabulary they share (a model may pad its output layer past the tokenizer's size).
 """
 
-import json
 import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional
@@ -24,8 +23,8 @@ from typing import Annotated, Any, Literal, Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from src.checkpointing.layout import DATA_FILE
 from src.checkpointing.training_state import sharded
+from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
 from src.loop.batches import call_model
 from src.objectives.base import PerSample
@@ -136,7 +135,11 @@ class Distillation(CrossEntropy):
         if not folder.is_dir():
             raise UsageError(f"{key}: no such folder; give an export (RUN/model), a checkpoint "
                              "(RUN/checkpoints/step_N), or a transformers folder or hub id")
-        check_same_ids(key, folder, getattr(data, "codec", None))
+        codec = getattr(data, "codec", None)
+        if not check_same_ids(key, folder, codec, "the teacher reads", "Distil on data tokenized as the teacher's "
+                              "(data.tokenizer=the teacher's folder; data.level)") and codec is not None:
+            log.warning("%s: the folder says nothing of how its ids were made (no tokenizer, vocabulary.json or "
+                        "data.json): they are taken to mean the data's tokens", key)
         teacher = load_teacher_model(key, folder, {f"{type(student).__module__}.{type(student).__qualname__}"})
         if getattr(data, "attends_per_document", False):  # data.packing=true: the teacher reads packed rows too
             from src.data.packing import attend_per_document
@@ -180,29 +183,6 @@ def load_teacher_model(key: str, folder: Path, trusted: set[str]) -> torch.nn.Mo
         return load_checkpointed_model(folder, run_config_for(folder, trusted))
     except FileNotFoundError as error:
         raise UsageError(f"{key}: {error}") from None
-
-
-def check_same_ids(key: str, folder: Path, codec) -> None:
-    """The teacher's ids must mean the data's tokens: its codec (an export's vocabulary.json, a tokenizer) or its
-    checkpoint's data fingerprint, against the data's codec. A folder of weights alone cannot be checked: said."""
-    from src.data.base import IDS_MADE_BY, described_ids, ids_made_by
-    from src.data.tokenizer import Codec
-
-    if codec is None:
-        return
-    try:
-        theirs = ids_made_by(Codec.load(folder))
-    except FileNotFoundError:
-        fingerprint = folder / DATA_FILE
-        theirs = json.loads(fingerprint.read_text()).get(IDS_MADE_BY) if fingerprint.is_file() else None
-    ours = ids_made_by(codec)
-    if theirs is None:
-        log.warning("%s: the folder says nothing of how its ids were made (no tokenizer, vocabulary.json or "
-                    "data.json): they are taken to mean the data's tokens", key)
-    elif theirs != ours:
-        raise UsageError(f"{key}: the teacher reads ids as {described_ids(theirs)} made them, but this run's data "
-                         f"was tokenized by {described_ids(ours)}: each id would mean another token. Distil on data "
-                         "tokenized as the teacher's (data.tokenizer=the teacher's folder; data.level)")
 
 
 def _output_width(model: torch.nn.Module) -> Optional[int]:
