@@ -118,8 +118,11 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
     (["distill", "trainer.log_every=1", "trainer.max_steps=3", "--seeds", "1", "--kd-ratios", "1.0"],
      lambda r: r["teacher"]["full_val_loss"] * r["mean"]["distill kd_ratio=1.0"]["full_val_loss"]
      * r["mean"]["data alone"]["ms_per_step"]),
+    (["loss-memory", "--objective", "distill", "--vocab", "32000", "--tokens", "128", "--batch", "2", "--n-embd",
+      "32", "--chunk-tokens", "64"],
+     lambda r: r["peak_ratio_plain_over_chunked"] * (r["loss_difference"] < 1e-2)),
 ], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data", "preference", "preference-packing",
-        "optimizers", "schedules", "distill"])
+        "optimizers", "schedules", "distill", "loss-memory-distill"])
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
     args = [*command, "--dir", str(tmp_path)] if command[0] in ("checkpoint", "scale") else command

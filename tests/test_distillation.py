@@ -136,6 +136,85 @@ def test_a_transformers_student_distils_from_a_transformers_teacher_on_labels_in
     assert kl[12] < 0.7 * kl[0]
 
 
+def distilling(objective: Distillation, teacher: torch.nn.Module) -> Distillation:
+    """The objective as start() leaves it, with this teacher (start() loads one from a folder)."""
+    from accelerate import Accelerator
+
+    objective.teacher, objective.accelerator = teacher.eval().requires_grad_(False), Accelerator(cpu=True)
+    objective._sums = torch.zeros(2)
+    return objective
+
+
+def trained_and_evaluated(objective: Distillation, model: torch.nn.Module, inputs, targets, compile: bool = False):
+    """A micro-step's loss sum, gradients and train/ce, train/kl sums; an evaluation's metrics of the same batch."""
+    from src.loop.forward import Forward
+
+    forward = Forward(objective, compile=compile)
+    model.zero_grad()
+    loss = forward.loss_sum(model, inputs, targets)
+    loss.backward()
+    gradients = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with torch.no_grad():
+        metrics = {name: (v.sum() / w.sum()) for name, (v, w) in forward.metrics(model, inputs, targets).items()}
+    return loss.detach(), gradients, objective.training_metrics(), metrics
+
+
+@pytest.mark.parametrize("model_kind", ["gpt", "transformers llama"])
+@pytest.mark.parametrize("divergence", ["forward", "reverse"])
+def test_chunked_distillation_trains_and_evaluates_as_the_whole_logits_do(model_kind, divergence):
+    """objective.chunk_tokens: both terms through the student's output layer 7 targets at a time (uneven chunks,
+    some targets ignored, the teacher's output layer wider) give the loss, gradients, train/ce, train/kl and
+    evaluation metrics of the whole logits."""
+    from src.models.gpt import GPT
+
+    torch.manual_seed(0)
+    if model_kind == "gpt":
+        student = GPT(vocab_size=97, block_size=32, n_layer=1, n_head=2, n_embd=16)
+        teacher = GPT(vocab_size=104, block_size=32, n_layer=2, n_head=2, n_embd=32)
+        inputs, targets, form = torch.randint(0, 97, (3, 32)), torch.randint(0, 97, (3, 32)), Distillation
+    else:
+        from tests.test_chunked_loss import tiny_llama
+
+        student, teacher = tiny_llama(), tiny_llama()  # two draws of the same shape
+        ids = torch.randint(0, 97, (2, 24))
+        inputs, targets, form = {"input_ids": ids}, ids.clone(), CausalLMDistillation
+    targets[0, :5] = -100
+    terms = {"kd_ratio": 0.3, "temperature": 2.0, "divergence": divergence}
+    plain = trained_and_evaluated(distilling(form(teacher="unused", **terms), teacher), student, inputs, targets)
+    chunked = trained_and_evaluated(distilling(form(teacher="unused", chunk_tokens=7, **terms), teacher), student,
+                                    inputs, targets)
+    torch.testing.assert_close(chunked[0], plain[0], rtol=1e-5, atol=1e-5)
+    assert chunked[1].keys() == plain[1].keys() and plain[1]
+    for name in plain[1]:
+        torch.testing.assert_close(chunked[1][name], plain[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    for got, expected in zip(chunked[2:], plain[2:]):  # train/ce, train/kl; eval's loss, accuracy, ce, kl
+        assert got.keys() == expected.keys() and len(got) >= 2
+        for name in got:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert plain[2]["kl"] > 0 and plain[3]["accuracy"] >= 0
+
+
+@pytest.mark.slow  # about a minute of compilation on a 2-core CPU; CI runs it
+def test_chunked_distillation_compiles_to_the_loss_gradients_and_metrics_of_the_whole_logits():
+    from src.models.gpt import GPT
+
+    torch.manual_seed(0)
+    student = GPT(vocab_size=97, block_size=32, n_layer=1, n_head=2, n_embd=16)
+    teacher = GPT(vocab_size=104, block_size=32, n_layer=2, n_head=2, n_embd=32)
+    inputs, targets = torch.randint(0, 97, (3, 32)), torch.randint(0, 97, (3, 32))
+    targets[0, :5] = -100
+    plain = trained_and_evaluated(distilling(Distillation(teacher="unused"), teacher), student, inputs, targets)
+    compiled = trained_and_evaluated(distilling(Distillation(teacher="unused", chunk_tokens=7), teacher), student,
+                                     inputs, targets, compile=True)
+    torch.testing.assert_close(compiled[0], plain[0], rtol=1e-5, atol=1e-5)
+    for name in plain[1]:
+        torch.testing.assert_close(compiled[1][name], plain[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    for got, expected in zip(compiled[2:], plain[2:]):
+        assert got.keys() == expected.keys()
+        for name in got:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_a_compiled_student_reads_the_teachers_logits_computed_outside_its_graph(teacher, tmp_path):
     run_dir = tmp_path / "compiled"
     run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={teacher / 'model'}",
@@ -146,11 +225,12 @@ def test_a_compiled_student_reads_the_teachers_logits_computed_outside_its_graph
 
 
 def test_under_fsdp_the_teacher_is_sharded_as_the_student_and_trains_what_ddp_trains(teacher, tmp_path):
+    """The FSDP run also computes both terms in chunks (objective.chunk_tokens) through the sharded output layer."""
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
     distill(ddp, teacher, "data.batch_size=8", "trainer.max_steps=4", nproc=2)
     proc = run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={teacher / 'model'}",
-                "model.n_embd=16", "data.batch_size=8", "trainer.max_steps=4", f"hydra.run.dir={fsdp}"], nproc=2,
-               **FSDP_ON_CPU)
+                "objective.chunk_tokens=7", "model.n_embd=16", "data.batch_size=8", "trainer.max_steps=4",
+                f"hydra.run.dir={fsdp}"], nproc=2, **FSDP_ON_CPU)
     named(proc.stdout, "frozen, sharded over the processes")
     kl_ddp, kl_fsdp = scalars(ddp, "train/kl"), scalars(fsdp, "train/kl")
     assert sorted(kl_fsdp) == [1, 2, 3, 4] and max(abs(kl_ddp[s] - kl_fsdp[s]) for s in kl_ddp) <= 1e-5

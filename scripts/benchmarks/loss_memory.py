@@ -2,7 +2,9 @@
 (loss and accuracy per sample, no gradient) at a large vocabulary, with the loss computed at once against
 objective.chunk_tokens (src/objectives/chunked.py). --objective dpo measures DPO on pairs instead (the batch's rows
 are B/2 pairs, each answer the second half of its row), whose answers' log-probabilities the output layer computes
-in chunks, the reference's (a frozen copy) too.
+in chunks, the reference's (a frozen copy) too. --objective distill measures knowledge distillation from a frozen
+teacher (a GPT of the same shape): both terms through the student's output layer in chunks, the teacher's logits
+held whole once (in the autocast dtype; fp32 on a CPU without mixed precision) either way.
 
 Both sides run the template's own Forward on the same GPT (tied output layer), batch and targets, each in a fresh
 process: one warm-up step (so the gradients exist), then the peak is reset and one more step measured. On CPU the
@@ -46,6 +48,16 @@ def _worker(args) -> None:
     y = torch.randint(0, args.vocab, (args.batch, args.tokens), device=device)
     if args.objective == "causal_lm":
         forward = Forward(CrossEntropy(chunk_tokens=args.chunk_tokens or None), compile=False)
+    elif args.objective == "distill":
+        from accelerate import Accelerator
+
+        from src.objectives.distillation import Distillation
+
+        objective = Distillation(teacher="a GPT of the student's shape", chunk_tokens=args.chunk_tokens or None)
+        teacher = GPT(vocab_size=args.vocab, block_size=args.tokens, n_layer=2, n_head=4, n_embd=args.n_embd)
+        objective.teacher = teacher.to(device).requires_grad_(False).eval()  # what start() leaves, from a folder
+        objective.accelerator, objective._sums = Accelerator(cpu=device.type == "cpu"), torch.zeros(2, device=device)
+        forward = Forward(objective, compile=False)
     else:  # rows: chosen answers then rejected ones, each after a prompt of half the row that counts for nothing
         from accelerate import Accelerator
 
@@ -109,8 +121,9 @@ def add_commands(commands) -> dict:
         parser.add_argument("--batch", type=int, default=4)
         parser.add_argument("--n-embd", type=int, default=256)
         parser.add_argument("--device", default="cuda" if _has_cuda() else "cpu")
-        parser.add_argument("--objective", choices=["causal_lm", "dpo"], default="causal_lm",
-                            help="dpo: --batch rows of pairs against a frozen reference copy")
+        parser.add_argument("--objective", choices=["causal_lm", "dpo", "distill"], default="causal_lm",
+                            help="dpo: --batch rows of pairs against a frozen reference copy; distill: from a frozen "
+                                 "teacher of the same shape")
     c.add_argument("--chunk-tokens", type=int, default=256)
     w.add_argument("--chunk-tokens", type=int, default=0)
     return {"loss-memory": loss_memory, "_loss_memory": _worker}

@@ -24,7 +24,6 @@ from typing import Any, Mapping
 import torch
 
 from src.faults.distributed_errors import unused_parameters
-from src.loop.batches import call_model
 from src.objectives.base import Objective
 from src.objectives.chunked import check_the_model_keeps_its_logits, output_layer_loss
 from src.objectives.classification import CrossEntropy
@@ -47,7 +46,7 @@ class Forward:
             self._chunking_unchecked = False
         inputs = self.objective.with_reference(model, inputs, targets)  # a reference model's pass: not compiled
         try:
-            with output_layer_loss(model, self.objective, targets) if self.chunked else contextlib.nullcontext():
+            with self._output_layer_computes(model, inputs, targets):
                 return self._train_step(model, inputs, targets)
         except RuntimeError as error:  # DDP reports parameters without gradients here, at the next forward
             raise unused_parameters(error, model) or error
@@ -55,11 +54,11 @@ class Forward:
     def _loss_sum(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         if not self.chunked:
             return self.objective.model_loss_sum(model, inputs, targets)
-        return call_model(model, inputs)  # chunked: the output layer gave the loss
+        return self.objective.loss_sum_from_output_layer(model, inputs, targets)
 
     def _metrics(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> dict:
-        if self.chunked:  # per-token (loss, likeliest is the target) from the output layer, chunk by chunk
-            return self.objective.metrics_of_token_scores(call_model(model, inputs), targets)
+        if self.chunked:  # per-token scores (loss, likeliest is the target) from the output layer, chunk by chunk
+            return self.objective.metrics_from_output_layer(model, inputs, targets)
         return self.objective.model_metrics(model, inputs, targets)
 
     def metrics(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> dict:
@@ -68,11 +67,17 @@ class Forward:
             check_the_model_keeps_its_logits(model, inputs, targets, self.objective)
             self._chunking_unchecked = False
         inputs = self.objective.with_reference(model, inputs, targets)
-        with output_layer_loss(model, self.objective, targets, per_token=True) if self.chunked \
-                else contextlib.nullcontext():
+        with self._output_layer_computes(model, inputs, targets, per_token=True):
             if self._compiled_metrics is None:
                 return self._metrics(model, inputs, targets)
             for tensor in (*(inputs.values() if isinstance(inputs, Mapping) else [inputs]), targets):
                 if isinstance(tensor, torch.Tensor) and tensor.dim() > 0:
                     torch._dynamo.maybe_mark_dynamic(tensor, 0)
             return self._compiled_metrics(model, inputs, targets)
+
+    def _output_layer_computes(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor,
+                               per_token: bool = False) -> contextlib.AbstractContextManager:
+        if not self.chunked:
+            return contextlib.nullcontext()
+        return output_layer_loss(model, self.objective, self.objective.output_layer_targets(inputs, targets),
+                                 per_token)

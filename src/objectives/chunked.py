@@ -87,8 +87,9 @@ def _logits_or_chunked(layer: torch.nn.Linear, hidden: torch.Tensor) -> torch.Te
         return F.linear(hidden, layer.weight, layer.bias)
     if layer.chunked_mode == "token_logps":
         return chunked_token_logps(hidden, layer.weight, layer.bias, layer.chunked_targets, layer.chunked_size)
-    compute = chunked_token_scores if layer.chunked_mode == "token_scores" else chunked_loss_sum
-    return compute(hidden, layer.weight, layer.bias, layer.chunked_targets, layer.chunked_objective)
+    objective = layer.chunked_objective  # its own chunks: cross-entropy's below, distillation's its own
+    compute = objective.chunked_token_scores if layer.chunked_mode == "token_scores" else objective.chunked_loss_sum
+    return compute(hidden, layer.weight, layer.bias, layer.chunked_targets)
 
 
 def chunked_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
@@ -165,6 +166,7 @@ def check_the_model_keeps_its_logits(model: torch.nn.Module, inputs: Any, target
                 chunked = call_model(model, {"input_ids": ids})
         _refuse_unless_close(model, plain, chunked, "log-probabilities")
         return
+    objective = getattr(objective, "cross_entropy", objective)  # distillation's: its cross-entropy term's
     inputs = {k: cut(v) for k, v in inputs.items()} if isinstance(inputs, Mapping) else cut(inputs)
     targets = cut(targets)
     if isinstance(targets, torch.Tensor):  # on tokens that count: a prompt's are all ignored, both losses then 0

@@ -1,11 +1,12 @@
 """Cross-entropy over classes, and its language-model form (targets shifted by one)."""
 
-from typing import Annotated, Mapping, Optional
+from typing import Annotated, Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
 from src.errors import UsageError
+from src.loop.batches import call_model
 from src.objectives.base import Objective, PerSample
 from src.schema.signature import Arg
 
@@ -42,6 +43,33 @@ class CrossEntropy(Objective):
         loss = F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=self.ignore_index,
                                reduction="none").view(targets.shape)
         return self._per_sample(loss, logits.argmax(-1) == targets, targets)
+
+    # objective.chunk_tokens: the model's output layer computes the loss a chunk of tokens at a time
+    # (src/objectives/chunked.py). Within output_layer_loss(model, self, self.output_layer_targets(...)) the model
+    # returns what chunked_loss_sum (training) or chunked_token_scores (evaluation) gives, and the two methods
+    # after them read it. Distillation has its own (src/objectives/distillation.py).
+
+    def output_layer_targets(self, inputs: Any, targets: torch.Tensor) -> Any:
+        return targets
+
+    def chunked_loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         targets: torch.Tensor) -> torch.Tensor:
+        from src.objectives.chunked import chunked_loss_sum
+
+        return chunked_loss_sum(hidden, weight, bias, targets, self)
+
+    def chunked_token_scores(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                             targets: torch.Tensor) -> torch.Tensor:
+        from src.objectives.chunked import chunked_token_scores
+
+        return chunked_token_scores(hidden, weight, bias, targets, self)
+
+    def loss_sum_from_output_layer(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        return call_model(model, inputs)
+
+    def metrics_from_output_layer(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor
+                                  ) -> dict[str, PerSample]:
+        return self.metrics_of_token_scores(call_model(model, inputs), targets)
 
     def metrics_of_token_scores(self, scores: torch.Tensor, targets: torch.Tensor) -> dict[str, PerSample]:
         """metrics() from each aligned target's (loss, likeliest token is it), as objective.chunk_tokens computes

@@ -13,7 +13,9 @@ The teacher is an export (RUN/model), a checkpoint (RUN/checkpoints/step_N) or a
 loaded once per process, frozen, and run without gradients under the student's autocast, outside the compiled
 step (with_reference, as DPO's reference model). Its ids must mean the data's tokens: its tokenizer or
 vocabulary.json is compared with the data's before anything trains. Both models' logits are compared over the
-vocabulary they share (a model may pad its output layer past the tokenizer's size).
+vocabulary they share (a model may pad its output layer past the tokenizer's size). With objective.chunk_tokens both
+terms come from the student's output layer a chunk of targets at a time (src/objectives/chunked.py), the
+teacher's logits held whole once, in the autocast dtype.
 """
 
 import logging
@@ -22,6 +24,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from src.checkpointing.training_state import sharded
 from src.data.tokenizer import check_same_ids
@@ -55,9 +58,13 @@ class Distillation(CrossEntropy):
             "the teacher's weights in this dtype, e.g. bfloat16 to halve its memory where the student trains under "
             "bf16 autocast, which computes in bf16 anyway (null: as stored)")] = None,
         ignore_index: Annotated[int, Arg("target value that counts for nothing")] = -100,
+        chunk_tokens: Annotated[Optional[int], Arg(
+            "compute both terms through the student's output layer this many tokens at a time, recomputing each "
+            "chunk's logits in the backward pass, so that no fp32 logits of a whole micro-batch are held (large "
+            "vocabularies; the teacher's logits are held once, in the autocast dtype); null: at once", ge=1)] = None,
         target_key: Annotated[str, Arg("the batch key holding the targets (mapping batches)")] = "labels",
     ):
-        super().__init__(ignore_index=ignore_index, target_key=target_key)
+        super().__init__(ignore_index=ignore_index, chunk_tokens=chunk_tokens, target_key=target_key)
         self.teacher_path, self.kd_ratio, self.temperature, self.divergence = (
             teacher, kd_ratio, temperature, divergence)
         self.teacher_dtype = getattr(torch, teacher_dtype) if teacher_dtype else None
@@ -89,10 +96,7 @@ class Distillation(CrossEntropy):
         logits = call_model(model, inputs["student"])
         ce, kl = self.token_terms(logits, inputs["teacher_logits"], targets)
         aligned_logits, aligned = self.aligned(logits, targets)
-        found = self._per_sample(self.mixed(ce, kl), aligned_logits.argmax(-1) == aligned, aligned)
-        weight = found["loss"][1]
-        dims = tuple(range(1, ce.dim()))
-        return {**found, "ce": (ce.sum(dims), weight), "kl": (kl.sum(dims), weight)}
+        return self._metrics_of_terms(ce, kl, aligned_logits.argmax(-1) == aligned, aligned)
 
     def training_metrics(self) -> dict[str, torch.Tensor]:
         """train/ce and train/kl per counted target (the loop divides the sums by the step's count)."""
@@ -112,6 +116,11 @@ class Distillation(CrossEntropy):
         where the target counts for nothing. In fp32, as cross_entropy computes its loss."""
         logits, aligned = self.aligned(logits, targets)
         teacher_logits, _ = self.aligned(teacher_logits, targets)
+        return self.terms(logits, teacher_logits, aligned)
+
+    def terms(self, logits: torch.Tensor, teacher_logits: torch.Tensor, aligned: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_terms of logits already aligned with their targets (any leading shape)."""
         counted = aligned != self.ignore_index
         ce = F.cross_entropy(logits.float().flatten(0, -2), aligned.flatten(), ignore_index=self.ignore_index,
                              reduction="none").view(aligned.shape)
@@ -121,6 +130,68 @@ class Distillation(CrossEntropy):
         first, second = (teacher, student) if self.divergence == "forward" else (student, teacher)
         kl = (first.exp() * (first - second)).sum(-1)
         return ce, torch.where(counted, kl, torch.zeros_like(kl))
+
+    def _metrics_of_terms(self, ce: torch.Tensor, kl: torch.Tensor, correct: torch.Tensor, aligned: torch.Tensor
+                          ) -> dict[str, PerSample]:
+        found = self._per_sample(self.mixed(ce, kl), correct, aligned)
+        weight = found["loss"][1]
+        dims = tuple(range(1, ce.dim()))
+        return {**found, "ce": (ce.sum(dims), weight), "kl": (kl.sum(dims), weight)}
+
+    # objective.chunk_tokens: both terms through the student's output layer a chunk at a time ---------------------
+    # (src/objectives/chunked.py). The layer gets the targets with the teacher's logits; in training it returns the
+    # sums (mixed loss, cross-entropy, KL), in evaluation each aligned target's (cross-entropy, KL, likeliest is it).
+
+    @property
+    def cross_entropy(self) -> CrossEntropy:
+        """The data's term alone: what chunk_tokens' first-batch check compares the chunked loss with."""
+        plain = CausalLM if self.shifts_targets else CrossEntropy
+        return plain(ignore_index=self.ignore_index, chunk_tokens=self.chunk_tokens, target_key=self.target_key)
+
+    def output_layer_targets(self, inputs: Mapping, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return targets, inputs["teacher_logits"]
+
+    def chunked_loss_sum(self, hidden, weight, bias, targets_and_teacher) -> torch.Tensor:
+        total = hidden.new_zeros(3, dtype=torch.float32)
+        for chunk in self._chunks(hidden, *targets_and_teacher)[1]:
+            total = total + checkpoint(self._sums_of_chunk, *chunk, weight, bias, use_reentrant=False)
+        return total
+
+    def chunked_token_scores(self, hidden, weight, bias, targets_and_teacher) -> torch.Tensor:
+        shape, chunks = self._chunks(hidden, *targets_and_teacher)
+        scores = []
+        for hidden_chunk, targets, teacher_logits in chunks:
+            logits = F.linear(hidden_chunk, weight, bias)
+            ce, kl = self.terms(logits, teacher_logits, targets)
+            scores.append(torch.stack([ce, kl, (logits.argmax(-1) == targets).float()], dim=-1))
+        return torch.cat(scores).view(*shape, 3)
+
+    def loss_sum_from_output_layer(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor
+                                   ) -> torch.Tensor:
+        sums = call_model(model, inputs["student"])
+        if self._sums is not None:
+            self._sums = self._sums + sums[1:].detach()
+        return sums[0]
+
+    def metrics_from_output_layer(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor
+                                  ) -> dict[str, PerSample]:
+        ce, kl, correct = call_model(model, inputs["student"]).unbind(-1)
+        _, aligned = self.aligned(targets, targets)
+        return self._metrics_of_terms(ce, kl, correct.bool(), aligned)
+
+    def _chunks(self, hidden: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor
+                ) -> tuple[torch.Size, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """The aligned targets' shape, and (hidden states, targets, teacher's logits) as rows, chunk_tokens each."""
+        hidden, aligned = self.aligned(hidden, targets)
+        teacher_logits, _ = self.aligned(teacher_logits, targets)
+        rows = (hidden.reshape(-1, hidden.shape[-1]), aligned.reshape(-1),
+                teacher_logits.reshape(-1, teacher_logits.shape[-1]))
+        size = self.chunk_tokens
+        return aligned.shape, [tuple(t[start:start + size] for t in rows) for start in range(0, rows[1].numel(), size)]
+
+    def _sums_of_chunk(self, hidden, targets, teacher_logits, weight, bias) -> torch.Tensor:
+        ce, kl = self.terms(F.linear(hidden, weight, bias), teacher_logits, targets)
+        return torch.stack([self.mixed(ce, kl).sum(), ce.sum(), kl.sum()])
 
     # The teacher -------------------------------------------------------------------------------------------------
 
