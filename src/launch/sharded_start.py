@@ -74,9 +74,15 @@ def give_storage(accelerator: Accelerator, model: torch.nn.Module, read_in_slice
     """After the build: the model's parameters in uninitialised host memory (accelerate moves them to the meta device
     itself, but maps optimizer parameters by their storage's address, which meta tensors do not have)."""
     if not holds_values(accelerator, read_in_slices):
-        _materialise_meta_parameters(model)
-        if hasattr(model, "tie_weights"):  # init_empty_weights makes a new parameter for each name a tied one has
-            model.tie_weights()
+        give_uninitialised_storage(model)
+
+
+def give_uninitialised_storage(model: torch.nn.Module) -> None:
+    """A model built with its parameters on the meta device gets them in host memory that is never written (FSDP
+    shards it, src/models/pretrained_slices.py fills each rank's shard), tied ones kept tied."""
+    _materialise_meta_parameters(model)
+    if hasattr(model, "tie_weights"):  # init_empty_weights makes a new parameter for each name a tied one has
+        model.tie_weights()
 
 
 def _materialise_meta_parameters(model: torch.nn.Module) -> None:

@@ -92,10 +92,18 @@ def _plan(model_cfg: DictConfig) -> tuple[Optional[PretrainedSlices], str]:
                  or peft.get("init_lora_weights", True) not in ADAPTER_INITS_WITHOUT_BASE_WEIGHTS):
         return None, "model.peft initialises its adapter from the base weights, which must be whole then"
     folder = _folder(model_cfg)
+    if not _weights_in(folder):
+        return None, f"no safetensors weights in {folder}"
+    return plan_for(architecture_of(folder, getattr(torch, model_cfg.get("dtype") or "float32")), folder)
+
+
+def plan_for(architecture: torch.nn.Module, folder: Path) -> tuple[Optional[PretrainedSlices], str]:
+    """Every weight of a model built without values (its names, shapes and the dtypes a whole load reads them in)
+    matched to the folder's safetensors files, under its own name or with the model's base_model_prefix added or
+    removed; (None, why) where a parameter is not there."""
     files = _weights_in(folder)
     if not files:
         return None, f"no safetensors weights in {folder}"
-    architecture = _architecture(folder, model_cfg.get("dtype"))
     prefix = getattr(architecture, "base_model_prefix", "")
     sources: dict[str, tuple[str, str, torch.dtype]] = {}
     for names, tensor, required in _weights_of(architecture):
@@ -250,12 +258,13 @@ def _weights_in(folder: Path) -> dict[str, tuple[str, list[int]]]:
     return weights
 
 
-def _architecture(folder: Path, dtype: Optional[str]) -> torch.nn.Module:
-    """The model the folder's config.json describes, without values (its names, shapes and dtypes)."""
+def architecture_of(folder: Path, dtype: Optional[torch.dtype]) -> torch.nn.Module:
+    """The model the folder's config.json describes, without values (its names, shapes and dtypes). dtype None: as
+    from_pretrained's "auto" reads it, the config's dtype."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
     with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, local_files_only=True),
-                                                 dtype=getattr(torch, dtype or "float32"))
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or config.dtype or torch.float32)
     model.tie_weights()  # init_empty_weights makes a parameter for each name of a tied one
     return model

@@ -18,6 +18,7 @@ terms come from the student's output layer a chunk of targets at a time (src/obj
 teacher's logits held whole once, in the autocast dtype.
 """
 
+import json
 import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional
@@ -197,8 +198,10 @@ class Distillation(CrossEntropy):
 
     def load_teacher(self, accelerator, data, student: torch.nn.Module) -> None:
         """The teacher on this process's device, frozen, after its ids and its vocabulary are checked against the
-        data's; under FSDP sharded as the student is (each process reads it whole into host memory first). An
-        export's config may name the student's own class, which this run's config named, besides config/'s."""
+        data's. Under FSDP it is sharded as the student is, and an export or a transformers folder is never held
+        whole: every rank builds it without values and reads its own slices of the safetensors files once it is
+        sharded (src/models/pretrained_slices.py); a checkpoint is read whole by each rank first. An export's
+        config may name the student's own class, which this run's config named, besides config/'s."""
         from src.models.hub import MODEL_FILES, TOKENIZER_FILES, local_path
 
         key = f"objective.teacher={self.teacher_path}"
@@ -211,7 +214,14 @@ class Distillation(CrossEntropy):
                               "(data.tokenizer=the teacher's folder; data.level)") and codec is not None:
             log.warning("%s: the folder says nothing of how its ids were made (no tokenizer, vocabulary.json or "
                         "data.json): they are taken to mean the data's tokens", key)
-        teacher = load_teacher_model(key, folder, {f"{type(student).__module__}.{type(student).__qualname__}"})
+        trusted = {f"{type(student).__module__}.{type(student).__qualname__}"}
+        teacher, slices = None, None
+        if sharded(accelerator):
+            teacher, slices, why = teacher_without_values(folder, trusted)
+            if slices is None and accelerator.is_main_process:
+                log.info("objective=distill: each rank reads the teacher whole before it is sharded (%s)", why)
+        if teacher is None:
+            teacher = load_teacher_model(key, folder, trusted)
         if getattr(data, "attends_per_document", False):  # data.packing=true: the teacher reads packed rows too
             from src.data.packing import attend_per_document
 
@@ -227,7 +237,21 @@ class Distillation(CrossEntropy):
         if sharded(accelerator):  # FSDP: sharded as the student is (accelerate's wrapping), each rank its part
             from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
-            self.teacher, held = fsdp2_prepare_model(accelerator, teacher), "sharded over the processes"
+            from src.launch.sharded_start import give_uninitialised_storage
+            from src.models.pretrained_slices import load_slices
+
+            plugin = accelerator.state.fsdp_plugin
+            broadcasts = plugin.cpu_ram_efficient_loading
+            if slices is not None:  # nothing to send: each rank shards memory never written, then reads its part
+                give_uninitialised_storage(teacher)
+                plugin.cpu_ram_efficient_loading = False
+            try:
+                self.teacher, held = fsdp2_prepare_model(accelerator, teacher), "sharded over the processes"
+            finally:
+                plugin.cpu_ram_efficient_loading = broadcasts
+            if slices is not None:
+                load_slices(accelerator, self.teacher, slices)
+                held += ", each rank read its own slices"
         else:
             self.teacher, held = teacher.to(accelerator.device), "one copy per process"
         self.accelerator = accelerator
@@ -254,6 +278,36 @@ def load_teacher_model(key: str, folder: Path, trusted: set[str]) -> torch.nn.Mo
         return load_checkpointed_model(folder, run_config_for(folder, trusted))
     except FileNotFoundError as error:
         raise UsageError(f"{key}: {error}") from None
+
+
+def teacher_without_values(folder: Path, trusted: set[str]) -> tuple[Optional[torch.nn.Module], Any, str]:
+    """FSDP: the teacher of an export or a transformers folder built with its parameters on the meta device, in the
+    dtypes a whole load reads them in, and where in its safetensors files each weight is (PretrainedSlices), so that
+    each rank reads only its shard's part once it is sharded. (None, None, why not) for a checkpoint (rebuilt from
+    its run's config; an FSDP run's is sharded otherwise), and for weights that are not under the model's names."""
+    from accelerate import init_empty_weights
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from src.models.pretrained_slices import architecture_of, plan_for
+    from src.schema.trusted import check_targets
+
+    if (folder / "config.json").is_file():  # a transformers model: what load_exported_model reads, too
+        config = json.loads((folder / "config.json").read_text())
+        if not (config.get("dtype") or config.get("torch_dtype")):
+            return None, None, "its config.json names no dtype, which a whole load takes from its weights"
+        teacher = architecture_of(folder, None)
+    elif (folder / "config.yaml").is_file() and (folder / "model.safetensors").is_file():
+        config = OmegaConf.load(folder / "config.yaml")
+        check_targets(config, str(folder / "config.yaml"), trusted, "a student of the same class, {key}={value}")
+        with init_empty_weights(include_buffers=False):  # buffers keep the values the model computes
+            teacher = instantiate(config, _convert_="all")
+        if hasattr(teacher, "tie_weights"):
+            teacher.tie_weights()
+    else:
+        return None, None, "a checkpoint, rebuilt from its run's config"
+    plan, why = plan_for(teacher, folder)
+    return (teacher, plan, "") if plan is not None else (None, None, why)
 
 
 def _output_width(model: torch.nn.Module) -> Optional[int]:
