@@ -141,7 +141,8 @@ def test_under_fsdp_a_transformers_teacher_is_read_in_slices_and_teaches_what_a_
     """A transformers folder's weights read in the dtype its config names, then cast to objective.teacher_dtype."""
     args = ["model=hf_causal_lm", "model.config.n_layer=1", "model.config.n_head=2", "model.config.n_embd=16",
             "data=jsonl", f"data.tokenizer={pretrained}", "objective=distill_causal_lm",
-            f"objective.teacher={pretrained}", "objective.teacher_dtype=bfloat16", *QUIET, *FAST, "data.batch_size=8", "trainer.max_steps=3"]
+            f"objective.teacher={pretrained}", "objective.teacher_dtype=bfloat16", *QUIET, *FAST, "data.batch_size=8",
+            "trainer.max_steps=3"]
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
     run([*args, f"hydra.run.dir={ddp}"], nproc=2)
     proc = run([*args, f"hydra.run.dir={fsdp}"], nproc=2, **FSDP_ON_CPU)
@@ -203,7 +204,10 @@ def trained_and_evaluated(objective: Distillation, model: torch.nn.Module, input
 def test_chunked_distillation_trains_and_evaluates_as_the_whole_logits_do(model_kind, divergence):
     """objective.chunk_tokens: both terms through the student's output layer 7 targets at a time (uneven chunks,
     some targets ignored, the teacher's output layer wider) give the loss, gradients, train/ce, train/kl and
-    evaluation metrics of the whole logits."""
+    evaluation metrics of the whole logits; neither model's logits of the whole batch are ever computed (the
+    teacher gives its last hidden states, turned into logits chunk by chunk with the student's)."""
+    from tests.test_chunked_loss import whole_logits_seen
+
     from src.models.gpt import GPT
 
     torch.manual_seed(0)
@@ -220,8 +224,10 @@ def test_chunked_distillation_trains_and_evaluates_as_the_whole_logits_do(model_
     targets[0, :5] = -100
     terms = {"kd_ratio": 0.3, "temperature": 2.0, "divergence": divergence}
     plain = trained_and_evaluated(distilling(form(teacher="unused", **terms), teacher), student, inputs, targets)
-    chunked = trained_and_evaluated(distilling(form(teacher="unused", chunk_tokens=7, **terms), teacher), student,
-                                    inputs, targets)
+    with whole_logits_seen(97) as seen_97, whole_logits_seen(104) as seen_104:
+        chunked = trained_and_evaluated(distilling(form(teacher="unused", chunk_tokens=7, **terms), teacher),
+                                        student, inputs, targets)
+    assert seen_97 == seen_104 == []
     torch.testing.assert_close(chunked[0], plain[0], rtol=1e-5, atol=1e-5)
     assert chunked[1].keys() == plain[1].keys() and plain[1]
     for name in plain[1]:
@@ -231,6 +237,36 @@ def test_chunked_distillation_trains_and_evaluates_as_the_whole_logits_do(model_
         for name in got:
             torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
     assert plain[2]["kl"] > 0 and plain[3]["accuracy"] >= 0
+
+
+def test_a_teacher_that_changes_its_logits_after_its_output_layer_teaches_by_its_whole_logits(caplog):
+    """Soft-capping (Gemma 2): the teacher's output layer alone would give other logits, so with
+    chunk_tokens its logits are computed whole, as without it, said once in the log; the student still chunks."""
+    from tests.test_chunked_loss import tiny_llama, whole_logits_seen
+
+    torch.manual_seed(0)
+    student, teacher = tiny_llama(), tiny_llama()
+    plain_forward = type(teacher).forward
+
+    class SoftCapsItsLogits(type(teacher)):  # as Gemma 2's final_logit_softcapping, at a cap of 1
+        def forward(self, *args, **kwargs):
+            out = plain_forward(self, *args, **kwargs)
+            out.logits = torch.tanh(out.logits)
+            return out
+
+    teacher.__class__ = SoftCapsItsLogits
+    ids = torch.randint(0, 97, (2, 24))
+    plain = trained_and_evaluated(distilling(CausalLMDistillation(teacher="unused"), teacher), student,
+                                  {"input_ids": ids}, ids)
+    with whole_logits_seen(97) as seen, caplog.at_level("WARNING"):
+        chunked = trained_and_evaluated(distilling(CausalLMDistillation(teacher="unused", chunk_tokens=7), teacher),
+                                        student, {"input_ids": ids}, ids)
+    torch.testing.assert_close(chunked[0], plain[0], rtol=1e-5, atol=1e-5)
+    # the teacher's output layer and the teacher, in the step and in the evaluation; the student's never
+    assert sorted(name for name, _ in seen) == ["Linear", "Linear", "SoftCapsItsLogits", "SoftCapsItsLogits"]
+    assert [r.message for r in caplog.records].count(
+        "objective.chunk_tokens: the teacher's logits are computed whole for each micro-batch, not chunk by chunk: "
+        "it changes its logits after its output layer (soft-capping, a logit scale)") == 1
 
 
 @pytest.mark.slow  # about a minute of compilation on a 2-core CPU; CI runs it

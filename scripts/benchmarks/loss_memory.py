@@ -3,8 +3,8 @@
 objective.chunk_tokens (src/objectives/chunked.py). --objective dpo measures DPO on pairs instead (the batch's rows
 are B/2 pairs, each answer the second half of its row), whose answers' log-probabilities the output layer computes
 in chunks, the reference's (a frozen copy) too. --objective distill measures knowledge distillation from a frozen
-teacher (a GPT of the same shape): both terms through the student's output layer in chunks, the teacher's logits
-held whole once (in the autocast dtype; fp32 on a CPU without mixed precision) either way.
+teacher (a GPT of the same shape): chunked, both terms through the student's output layer, the teacher's logits
+made there from its last hidden states, a chunk at a time.
 
 Both sides run the template's own Forward on the same GPT (tied output layer), batch and targets, each in a fresh
 process: one warm-up step (so the gradients exist), then the peak is reset and one more step measured. On CPU the

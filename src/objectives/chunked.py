@@ -12,7 +12,9 @@ the plain computation's within float rounding (a sum in another order). Evaluati
 the same way: each token's loss and whether its likeliest token is the target, a chunk at a time, never the
 logits of a whole batch (its metrics those of the whole logits). Preference objectives (dpo, simpo, orpo) have the
 layer give each position's log-probability of its next input token instead, chunk by chunk the same way, for the
-policy's pass and the reference's (src/objectives/preference.py).
+policy's pass and the reference's (src/objectives/preference.py). Distillation (src/objectives/distillation.py)
+computes both its terms per chunk here, from the teacher's last hidden states, which its output layer gives instead
+of logits (output_layer_gives_hidden_states).
 
 It is what torchtune's chunked output and Liger's fused linear cross-entropy do, written with torch's own
 checkpointing so that it works on any device and under torch.compile, for any model whose output layer is a
@@ -68,6 +70,16 @@ def output_layer_token_logps(model: torch.nn.Module, input_ids: torch.Tensor, ch
 
 
 @contextlib.contextmanager
+def output_layer_gives_hidden_states(model: torch.nn.Module) -> Iterator[list]:
+    """Within it, the model's output is its output layer's input: the hidden states it would turn into logits (a
+    distillation teacher's, turned into logits a chunk at a time by the student's output layer). The list it gives
+    gets (weight, bias) of the layer as its forward had them (under FSDP, gathered)."""
+    seen: list = []
+    with _output_layer_computes(model, "hidden", seen):
+        yield seen
+
+
+@contextlib.contextmanager
 def _output_layer_computes(model: torch.nn.Module, mode: str, targets: torch.Tensor, objective=None,
                            chunk_tokens: Optional[int] = None) -> Iterator[None]:
     layer = output_layer(model)
@@ -85,6 +97,9 @@ def _output_layer_computes(model: torch.nn.Module, mode: str, targets: torch.Ten
 def _logits_or_chunked(layer: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     if layer.chunked_targets is None:
         return F.linear(hidden, layer.weight, layer.bias)
+    if layer.chunked_mode == "hidden":  # output_layer_gives_hidden_states
+        layer.chunked_targets.append((layer.weight, layer.bias))
+        return hidden
     if layer.chunked_mode == "token_logps":
         return chunked_token_logps(hidden, layer.weight, layer.bias, layer.chunked_targets, layer.chunked_size)
     objective = layer.chunked_objective  # its own chunks: cross-entropy's below, distillation's its own

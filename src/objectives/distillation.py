@@ -14,8 +14,9 @@ loaded once per process, frozen, and run without gradients under the student's a
 step (with_reference, as DPO's reference model). Its ids must mean the data's tokens: its tokenizer or
 vocabulary.json is compared with the data's before anything trains. Both models' logits are compared over the
 vocabulary they share (a model may pad its output layer past the tokenizer's size). With objective.chunk_tokens both
-terms come from the student's output layer a chunk of targets at a time (src/objectives/chunked.py), the
-teacher's logits held whole once, in the autocast dtype.
+terms come from the student's output layer a chunk of targets at a time (src/objectives/chunked.py), and the
+teacher gives its last hidden states, made into its logits chunk by chunk there: neither model's logits of a whole
+micro-batch are held.
 """
 
 import json
@@ -32,6 +33,7 @@ from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
 from src.loop.batches import call_model
 from src.objectives.base import PerSample
+from src.objectives.chunked import CHECKED_TOKENS, output_layer, output_layer_gives_hidden_states
 from src.objectives.classification import CausalLM, CrossEntropy
 from src.schema.signature import Arg
 
@@ -60,9 +62,10 @@ class Distillation(CrossEntropy):
             "bf16 autocast, which computes in bf16 anyway (null: as stored)")] = None,
         ignore_index: Annotated[int, Arg("target value that counts for nothing")] = -100,
         chunk_tokens: Annotated[Optional[int], Arg(
-            "compute both terms through the student's output layer this many tokens at a time, recomputing each "
-            "chunk's logits in the backward pass, so that no fp32 logits of a whole micro-batch are held (large "
-            "vocabularies; the teacher's logits are held once, in the autocast dtype); null: at once", ge=1)] = None,
+            "compute both terms through the student's output layer this many tokens at a time, the teacher's "
+            "logits from its last hidden states likewise, recomputing each chunk's logits in the backward pass, so "
+            "that neither model's logits of a whole micro-batch are held (large vocabularies); null: at once",
+            ge=1)] = None,
         target_key: Annotated[str, Arg("the batch key holding the targets (mapping batches)")] = "labels",
     ):
         super().__init__(ignore_index=ignore_index, chunk_tokens=chunk_tokens, target_key=target_key)
@@ -72,6 +75,7 @@ class Distillation(CrossEntropy):
         self.teacher: Optional[torch.nn.Module] = None
         self.accelerator = None
         self._sums: Optional[torch.Tensor] = None  # this rank's (cross-entropy, KL) since the last logging step
+        self._teacher_in_chunks: Optional[bool] = None  # chunk_tokens: the teacher's logits chunk by chunk too
 
     # What the loop calls -----------------------------------------------------------------------------------------
 
@@ -84,8 +88,39 @@ class Distillation(CrossEntropy):
         if self.teacher is None:
             raise RuntimeError("objective=distill: start() was not called, so there is no teacher")
         with torch.no_grad(), self.accelerator.autocast():  # the student's precision; the teacher is not prepared
+            if self.chunk_tokens is not None and self._teacher_logits_are_its_output_layers(inputs):
+                # its last hidden states and output layer: the student's turns them into logits chunk by chunk
+                with output_layer_gives_hidden_states(self.teacher) as head:
+                    hidden = call_model(self.teacher, inputs)
+                return {"student": inputs, "teacher_hidden": hidden, "teacher_head": self._held(head[0])}
             teacher_logits = call_model(self.teacher, inputs)
         return {"student": inputs, "teacher_logits": teacher_logits}
+
+    def _teacher_logits_are_its_output_layers(self, inputs: Any) -> bool:
+        """Once, on a prefix of the first micro-batch: whether the teacher's logits are its output layer's product
+        of its last hidden states. Not for a model that changes them after that layer (Gemma 2's soft-capping): its
+        logits are then computed whole, as without chunk_tokens, and the log says so."""
+        if self._teacher_in_chunks is None:
+            prefix = (slice(0, 1), slice(0, CHECKED_TOKENS))
+            cut = {k: v[prefix] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in inputs.items()} \
+                if isinstance(inputs, Mapping) else inputs[prefix]
+            try:
+                output_layer(self.teacher)
+            except UsageError:
+                self._teacher_in_chunks = False
+                why = "its output layer is not a Linear found by get_output_embeddings()"
+            else:
+                plain = call_model(self.teacher, cut).float()
+                with output_layer_gives_hidden_states(self.teacher) as head:
+                    hidden = call_model(self.teacher, cut)
+                chunked = F.linear(hidden, *self._held(head[0])).float()
+                self._teacher_in_chunks = chunked.shape == plain.shape and torch.allclose(chunked, plain, rtol=1e-3,
+                                                                                          atol=1e-3)
+                why = "it changes its logits after its output layer (soft-capping, a logit scale)"
+            if not self._teacher_in_chunks and self.accelerator.is_main_process:
+                log.warning("objective.chunk_tokens: the teacher's logits are computed whole for each micro-batch, "
+                            "not chunk by chunk: %s", why)
+        return self._teacher_in_chunks
 
     def model_loss_sum(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
         ce, kl = self.token_terms(call_model(model, inputs["student"]), inputs["teacher_logits"], targets)
@@ -105,6 +140,14 @@ class Distillation(CrossEntropy):
             return {}
         sums, self._sums = self._sums, torch.zeros_like(self._sums)
         return {"ce": sums[0], "kl": sums[1]}
+
+    def _held(self, head: tuple) -> tuple:
+        """The teacher's output layer (weight, bias) as its forward saw them, still held after it: accelerate's
+        FSDP wrapping keeps that layer gathered after a forward without gradients (nothing reshards it before a
+        backward); where the gathered memory was freed, each rank gathers it again."""
+        layer = output_layer(self.teacher)
+        return tuple(seen if seen is None or seen.untyped_storage().size() > 0 else getattr(layer, name).full_tensor()
+                     for seen, name in zip(head, ("weight", "bias")))
 
     # The loss ----------------------------------------------------------------------------------------------------
 
@@ -140,7 +183,7 @@ class Distillation(CrossEntropy):
         return {**found, "ce": (ce.sum(dims), weight), "kl": (kl.sum(dims), weight)}
 
     # objective.chunk_tokens: both terms through the student's output layer a chunk at a time ---------------------
-    # (src/objectives/chunked.py). The layer gets the targets with the teacher's logits; in training it returns the
+    # (src/objectives/chunked.py). The layer gets the targets with the teacher's rows; in training it returns the
     # sums (mixed loss, cross-entropy, KL), in evaluation each aligned target's (cross-entropy, KL, likeliest is it).
 
     @property
@@ -149,22 +192,29 @@ class Distillation(CrossEntropy):
         plain = CausalLM if self.shifts_targets else CrossEntropy
         return plain(ignore_index=self.ignore_index, chunk_tokens=self.chunk_tokens, target_key=self.target_key)
 
-    def output_layer_targets(self, inputs: Mapping, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return targets, inputs["teacher_logits"]
+    def output_layer_targets(self, inputs: Mapping, targets: torch.Tensor) -> tuple:
+        """The targets, the teacher's rows (its last hidden states, or its logits) and its output layer's (weight,
+        bias) where the rows are hidden states."""
+        if "teacher_hidden" in inputs:
+            return targets, inputs["teacher_hidden"], *inputs["teacher_head"]
+        return targets, inputs["teacher_logits"], None, None
 
     def chunked_loss_sum(self, hidden, weight, bias, targets_and_teacher) -> torch.Tensor:
+        targets, teacher, teacher_weight, teacher_bias = targets_and_teacher
         total = hidden.new_zeros(3, dtype=torch.float32)
-        for chunk in self._chunks(hidden, *targets_and_teacher)[1]:
-            total = total + checkpoint(self._sums_of_chunk, *chunk, weight, bias, use_reentrant=False)
+        for chunk in self._chunks(hidden, targets, teacher)[1]:
+            total = total + checkpoint(self._sums_of_chunk, *chunk, weight, bias, teacher_weight, teacher_bias,
+                                       use_reentrant=False)
         return total
 
     def chunked_token_scores(self, hidden, weight, bias, targets_and_teacher) -> torch.Tensor:
-        shape, chunks = self._chunks(hidden, *targets_and_teacher)
+        targets, teacher, teacher_weight, teacher_bias = targets_and_teacher
+        shape, chunks = self._chunks(hidden, targets, teacher)
         scores = []
-        for hidden_chunk, targets, teacher_logits in chunks:
+        for hidden_chunk, aligned, teacher_rows in chunks:
             logits = F.linear(hidden_chunk, weight, bias)
-            ce, kl = self.terms(logits, teacher_logits, targets)
-            scores.append(torch.stack([ce, kl, (logits.argmax(-1) == targets).float()], dim=-1))
+            ce, kl = self.terms(logits, _teacher_logits(teacher_rows, teacher_weight, teacher_bias), aligned)
+            scores.append(torch.stack([ce, kl, (logits.argmax(-1) == aligned).float()], dim=-1))
         return torch.cat(scores).view(*shape, 3)
 
     def loss_sum_from_output_layer(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor
@@ -180,17 +230,18 @@ class Distillation(CrossEntropy):
         _, aligned = self.aligned(targets, targets)
         return self._metrics_of_terms(ce, kl, correct.bool(), aligned)
 
-    def _chunks(self, hidden: torch.Tensor, targets: torch.Tensor, teacher_logits: torch.Tensor
+    def _chunks(self, hidden: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor
                 ) -> tuple[torch.Size, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-        """The aligned targets' shape, and (hidden states, targets, teacher's logits) as rows, chunk_tokens each."""
+        """The aligned targets' shape, and (hidden states, targets, teacher's rows) as rows, chunk_tokens each."""
         hidden, aligned = self.aligned(hidden, targets)
-        teacher_logits, _ = self.aligned(teacher_logits, targets)
-        rows = (hidden.reshape(-1, hidden.shape[-1]), aligned.reshape(-1),
-                teacher_logits.reshape(-1, teacher_logits.shape[-1]))
+        teacher, _ = self.aligned(teacher, targets)
+        rows = (hidden.reshape(-1, hidden.shape[-1]), aligned.reshape(-1), teacher.reshape(-1, teacher.shape[-1]))
         size = self.chunk_tokens
         return aligned.shape, [tuple(t[start:start + size] for t in rows) for start in range(0, rows[1].numel(), size)]
 
-    def _sums_of_chunk(self, hidden, targets, teacher_logits, weight, bias) -> torch.Tensor:
+    def _sums_of_chunk(self, hidden, targets, teacher_rows, weight, bias, teacher_weight, teacher_bias
+                       ) -> torch.Tensor:
+        teacher_logits = _teacher_logits(teacher_rows, teacher_weight, teacher_bias)
         ce, kl = self.terms(F.linear(hidden, weight, bias), teacher_logits, targets)
         return torch.stack([self.mixed(ce, kl).sum(), ce.sum(), kl.sum()])
 
@@ -308,6 +359,13 @@ def teacher_without_values(folder: Path, trusted: set[str]) -> tuple[Optional[to
         return None, None, "a checkpoint, rebuilt from its run's config"
     plan, why = plan_for(teacher, folder)
     return (teacher, plan, "") if plan is not None else (None, None, why)
+
+
+def _teacher_logits(rows: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]
+                    ) -> torch.Tensor:
+    """A chunk's teacher logits: its rows are the logits, or its last hidden states where its output layer is given
+    (no gradient flows to the teacher: its weights and hidden states were made without one)."""
+    return rows if weight is None else F.linear(rows, weight, bias)
 
 
 def _output_width(model: torch.nn.Module) -> Optional[int]:
