@@ -206,9 +206,8 @@ def test_chunked_distillation_trains_and_evaluates_as_the_whole_logits_do(model_
     some targets ignored, the teacher's output layer wider) give the loss, gradients, train/ce, train/kl and
     evaluation metrics of the whole logits; neither model's logits of the whole batch are ever computed (the
     teacher gives its last hidden states, turned into logits chunk by chunk with the student's)."""
-    from tests.test_chunked_loss import whole_logits_seen
-
     from src.models.gpt import GPT
+    from tests.test_chunked_loss import whole_logits_seen
 
     torch.manual_seed(0)
     if model_kind == "gpt":
