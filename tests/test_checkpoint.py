@@ -1,5 +1,6 @@
 """Checkpoints never lose a run: a killed run resumes to exactly the uninterrupted run's losses."""
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from src.checkpointing.checksums import SHARD_SUMS, checksum, write_checksums
+from src.checkpointing.layout import STATE_FILE
 from src.checkpointing.plain_state import load_tree, save_tree
 from src.errors import UsageError
 from src.optim.schedules import warmup_cosine
@@ -126,11 +128,42 @@ def test_resuming_with_another_global_batch_is_refused_naming_the_accumulation_t
     fork = tmp_path / "fork"
     checkpoint = uninterrupted_global_batch_8 / "checkpoints" / "step_00000030"
     proc = run([*global_batch_8_args(two_epoch_text), f"resume={checkpoint}", f"hydra.run.dir={fork}"], check=False)
-    refused(proc, str(checkpoint), "8 samples", "4 (", "trainer.gradient_accumulation_steps=2")  # what keeps it
+    refused(proc, str(checkpoint), "8 samples", "4 (", "trainer.gradient_accumulation_steps=2",  # what keeps it
+            "trainer.resume_with_new_global_batch=true")  # or what trains on with 4
     assert not any(fork.rglob("*.safetensors"))
     typed = run([*global_batch_8_args(two_epoch_text), f"resume={checkpoint}", "trainer.gradient_accumulation_steps=2",
                  "trainer.max_steps=31", f"hydra.run.dir={fork}"])  # the suggestion, as a user types it
     assert "resumed from" in typed.stdout
+
+
+def test_with_resume_with_new_global_batch_a_process_count_that_cannot_keep_it_trains_on_with_its_own(
+        tmp_path, two_epoch_text, uninterrupted_global_batch_8):
+    """8 samples a step on 2 processes, resumed on 1 process with 6 a step (no accumulation keeps 8 with batch
+    6): mid-way through the second epoch, 16 samples in, the next micro-step of 6 starts at 18; the run goes on to
+    its last step with the checkpoint's weights, optimizer and schedule."""
+    fork = tmp_path / "fork"
+    checkpoint = uninterrupted_global_batch_8 / "checkpoints" / "step_00000030"
+    proc = run([*global_batch_8_args(two_epoch_text), "data.batch_size=6", "trainer.resume_with_new_global_batch=true",
+                f"resume={checkpoint}", f"hydra.run.dir={fork}"])
+    named(proc.stdout, "resumed from", "epoch 1, 18 samples in", "global batch changes from 8 samples per optimizer "
+          "step", "to 6", "2 samples of epoch 1 are passed over")
+    expected, got = scalars(uninterrupted_global_batch_8, "train/loss"), scalars(fork, "train/loss")
+    assert sorted(got) == list(range(31, 61)) and abs(got[31] - expected[31]) < 0.3  # trained on, not restarted
+    assert json.loads((fork / "checkpoints" / "step_00000060" / STATE_FILE).read_text())["batch_size"] == 6
+
+
+def test_a_stream_cannot_take_a_new_global_batch_on_resume(tmp_path):
+    """data=stream's loaders keep each process's own place in the stream: no sample count continues it, so the flag
+    is not offered to it, and it is refused as without the flag."""
+    from src.checkpointing.load import _check_layout
+    from src.loop.train_state import TrainState
+
+    saved = {"step": 30, "batch_size": 4, "num_processes": 2, "gradient_accumulation_steps": 1}
+    state = TrainState(batch_size=6, num_processes=1, gradient_accumulation_steps=1)
+    assert not _check_layout(saved, state, tmp_path, new_global_batch=True)  # a new layout, accepted
+    with pytest.raises(UsageError) as error:
+        _check_layout(saved, state, tmp_path, new_global_batch=True, stream=True)
+    assert "another global batch" in str(error.value) and "resume_with_new_global_batch" not in str(error.value)
 
 
 @pytest.mark.slow  # 9 s of image training and loader workers (the suite's time: issue 48); CI runs it

@@ -143,6 +143,23 @@ def test_another_split_of_the_same_global_batch_takes_the_same_samples_at_every_
             == [s for s, _ in step_samples(accelerator, 2, 3, TrainState(), 12)])
 
 
+@pytest.mark.parametrize("stopped_after", [2, 5])
+def test_a_new_global_batch_continues_the_epochs_order_from_the_first_sample_not_trained(accelerator,
+                                                                                       stopped_after):
+    """trainer.resume_with_new_global_batch: 6 samples a step (2 x 3) stopped after 12 or 30, resumed with 10 a step
+    (2 x 5): the rest of epoch 0 in its shuffle order, 10 at a time, to whole global batches of the new size; then
+    epoch 1 as a run of 10 a step would take it."""
+    order = [samples[0] for samples, _ in step_samples(accelerator, 1, 1, TrainState(), max_steps=2 * SAMPLES)]
+    taken = 6 * stopped_after
+    resumed = step_samples(accelerator, 2, 5, TrainState(step=stopped_after, samples_into_epoch=taken), 20)
+    rest = (SAMPLES - taken) // 10
+    assert [samples for samples, _ in resumed[:rest]] == [sorted(order[taken + 10 * i: taken + 10 * (i + 1)])
+                                                           for i in range(rest)]
+    assert [position for _, position in resumed[:rest]] == [(0, taken + 10 * (i + 1)) for i in range(rest)]
+    epoch_1 = step_samples(accelerator, 2, 5, TrainState(epoch=1), 4)
+    assert resumed[rest:rest + 4] == epoch_1
+
+
 class ReadBy:
     """Samples 0..SAMPLES-1 that note which thread read each, and draw from torch's global generator if told."""
 

@@ -89,6 +89,8 @@ RUN = [
      {}, [*TINY, *STEPS]),
     ("accelerate launch train.py hydra.run.dir=outputs/run data.batch_size=4 trainer.gradient_accumulation_steps=2 "
      "resume=auto", {}, [*TINY, *STEPS, "trainer.max_steps=3"]),
+    ("accelerate launch train.py hydra.run.dir=outputs/run data.batch_size=6 trainer.resume_with_new_global_batch=true "
+     "resume=auto", {}, [*TINY, *STEPS, "trainer.max_steps=4"]),
     ("accelerate launch train.py model.n_layer=6 optimizer.lr=6e-4 trainer.max_steps=5000 hydra.run.dir=outputs/teacher",
      {}, [*TINY, *STEPS]),
     ("accelerate launch train.py objective=distill objective.teacher=outputs/teacher/model model.n_layer=2 "

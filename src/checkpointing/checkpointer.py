@@ -167,7 +167,9 @@ class Checkpointer:
             seed_this_ranks_stream(self.seed, state.step, self.accelerator.process_index)
             return
         load_checkpoint(self.accelerator, self.resume_from, state, self.seed, self.ema,
-                        restart_epoch=self.data_changed)
+                        restart_epoch=self.data_changed,
+                        new_global_batch=self.cfg.trainer.get("resume_with_new_global_batch", False),
+                        stream=self.position is not None and self.position.kept)
         if self.accelerator.is_main_process:  # resumed from an earlier step of this run dir: what came after, aside
             set_aside_later_checkpoints(self.resume_from, self.run_dir)
         if self.position is not None:

@@ -25,16 +25,19 @@ log = logging.getLogger(__name__)
 
 
 def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainState, seed: int, ema=None,
-                    restart_epoch: bool = False) -> None:
+                    restart_epoch: bool = False, new_global_batch: bool = False, stream: bool = False) -> None:
     """Restore model, optimizer, scheduler, scaler, the EMA, RNG states and counters (after accelerator.prepare),
     from a checkpoint integrity.check_readable has passed (resume_point checks it before its config is read).
 
     `state` holds this launch's layout; the checkpoint may have been written by another one of the same
     global batch (src/loop/accumulation.py: every step then sees the same samples). `restart_epoch`: the data
     changed (trainer.resume_with_changed_data), so a position within the epoch means nothing: the next begins.
+    `new_global_batch` (trainer.resume_with_new_global_batch): another global batch continues the epoch's order
+    from the first sample not yet trained, at the next of this layout's micro-steps; not for a `stream`, whose
+    loaders keep their own places in it.
     """
     saved = json.loads((checkpoint / STATE_FILE).read_text())
-    same_layout = _check_layout(saved, state, checkpoint)
+    same_layout = _check_layout(saved, state, checkpoint, new_global_batch, stream)
     rng_file = checkpoint / random_states_file(accelerator.process_index)
     if same_layout and not rng_file.is_file():
         raise UsageError(f"{rng_file} is missing: the random state of rank {accelerator.process_index} cannot be "
@@ -54,6 +57,12 @@ def load_checkpoint(accelerator: Accelerator, checkpoint: Path, state: TrainStat
     if not rng_file.is_file():  # a rank the writing run did not have: its own stream, not rank 0's copy
         seed_this_ranks_stream(seed, saved["step"], accelerator.process_index)
     state.load_state_dict({key: value for key, value in saved.items() if key in POSITION_KEYS})
+    per_micro_step = state.batch_size * state.num_processes
+    if state.samples_into_epoch % per_micro_step:  # another global batch: its micro-steps start further on
+        passed_over = per_micro_step - state.samples_into_epoch % per_micro_step
+        state.samples_into_epoch += passed_over
+        log.warning("resume: %d samples of epoch %d are passed over, to start at this layout's next micro-step "
+                    "(%d samples each); the next epoch's shuffle has them", passed_over, state.epoch, per_micro_step)
     if restart_epoch and state.samples_into_epoch:
         state.epoch, state.samples_into_epoch = state.epoch + 1, 0
     if restart_epoch and state.best_metric is not None:  # measured on the old validation data: no bar for the new
@@ -77,9 +86,18 @@ POSITION_KEYS = ("step", "epoch", "samples_into_epoch", "best_metric", "best_ste
                  "evals_without_improvement")
 
 
-def _check_layout(saved: dict, state: TrainState, checkpoint: Path) -> bool:
-    """Whether the checkpoint was written on this launch's layout; refuses another global batch."""
+def _check_layout(saved: dict, state: TrainState, checkpoint: Path, new_global_batch: bool = False,
+                  stream: bool = False) -> bool:
+    """Whether the checkpoint was written on this launch's layout; refuses another global batch unless
+    `new_global_batch` (trainer.resume_with_new_global_batch) allows it."""
     written = TrainState(**{key: saved[key] for key in ("batch_size", "num_processes", "gradient_accumulation_steps")})
+    if written.global_batch != state.global_batch and new_global_batch and not stream:
+        log.warning("resume: the global batch changes from %d samples per optimizer step (%s) to %d (%s) at step %d "
+                    "(trainer.resume_with_new_global_batch): the epoch goes on in the same order, each step now "
+                    "takes %d samples of it; the learning rate schedule goes on by steps, as it was",
+                    written.global_batch, written.layout(), state.global_batch, state.layout(), saved["step"],
+                    state.global_batch)
+        return False
     if written.global_batch != state.global_batch:
         per_micro_step = state.batch_size * state.num_processes
         keep = (f"trainer.gradient_accumulation_steps={written.global_batch // per_micro_step} keeps it on "
@@ -90,7 +108,8 @@ def _check_layout(saved: dict, state: TrainState, checkpoint: Path) -> bool:
         raise UsageError(
             f"Cannot resume {checkpoint} with another global batch: it was trained with {written.global_batch} "
             f"samples per optimizer step ({written.layout()}), this launch has {state.global_batch} "
-            f"({state.layout()}). {keep}."
+            f"({state.layout()}). {keep}" + ("" if stream else f"; or, to train on with {state.global_batch} "
+                                             "samples per step, trainer.resume_with_new_global_batch=true") + "."
         )
     if (written.batch_size, written.num_processes) == (state.batch_size, state.num_processes):
         return True

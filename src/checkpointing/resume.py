@@ -44,6 +44,7 @@ SAFE_ON_RESUME = {
     "data.num_workers", "data.prefetch_factor", "data.read_ahead",
     "trainer.eval_on_start",
     "trainer.trackers", "trainer.tracker_project", "trainer.resume_with_changed_data",
+    "trainer.resume_with_new_global_batch",
     # Sampling reads the weights with its own random state: it changes nothing trained (tests/test_sampling.py).
     "trainer.sample_every", "trainer.sample_prompts", "trainer.sample_tokens", "trainer.sample_temperature",
     "trainer.sample_top_k",
@@ -172,7 +173,8 @@ def config_for_resume(cfg: DictConfig, checkpoint: Path, overrides: list[str]) -
         raise UsageError(
             f"Cannot resume from {checkpoint} with a different model or setup:\n  " + "\n  ".join(refused)
             + f"\nOnly these may change on resume: {', '.join(sorted(SAFE_ON_RESUME | LAYOUT_ON_RESUME))} "
-            f"({' and '.join(sorted(LAYOUT_ON_RESUME))} only while the global batch stays the same), and "
+            f"({' and '.join(sorted(LAYOUT_ON_RESUME))} only while the global batch stays the same, unless "
+            "trainer.resume_with_new_global_batch=true), and "
             "scheduler.* while the steps taken keep their learning rates, and data.* with "
             "trainer.resume_with_changed_data=true (the data position then restarts at an epoch boundary). "
             "Start a new run (another hydra.run.dir) to change anything else."

@@ -83,13 +83,20 @@ def accumulation_windows(accelerator: Accelerator, loader, state: TrainState, ma
         if hasattr(loader.dataset, "set_epoch"):  # accelerate forwards it only for some sampler layouts
             loader.dataset.set_epoch(state.epoch)
         continued = position is not None and (position.restored or position.per_process_parts)
-        done_steps = 0 if continued else state.samples_into_epoch // (per_micro_step * accumulation)
-        fresh = done_steps == 0 and not (position is not None and position.restored)
-        remaining = itertools.count() if epoch_steps is None else range(epoch_steps - done_steps)
-        if done_steps and epoch_steps is None and accelerator.is_main_process:
+        # Micro-steps already taken (each process's batches to skip): whole windows of this layout, or of the
+        # checkpoint's where a resume changed the global batch (load_checkpoint rounded the position to micro-steps).
+        done = 0 if continued else state.samples_into_epoch // per_micro_step
+        fresh = done == 0 and not (position is not None and position.restored)
+        window_samples = per_micro_step * accumulation
+        remaining = itertools.count() if epoch_steps is None else range(
+            max(0, epoch_steps * window_samples - done * per_micro_step) // window_samples)
+        if len(remaining if epoch_steps is not None else [1]) == 0:  # a larger global batch resumed near its end
+            state.epoch, state.samples_into_epoch = state.epoch + 1, 0
+            continue
+        if done and epoch_steps is None and accelerator.is_main_process:
             log.info("resuming %d samples into pass %d of a dataset without a length (a stream): reading it again "
                      "up to there", state.samples_into_epoch, state.epoch)
-        epoch_loader = accelerator.skip_first_batches(loader, done_steps * accumulation) if done_steps else loader
+        epoch_loader = accelerator.skip_first_batches(loader, done) if done else loader
         batches = iter(epoch_loader)
         if read_ahead and epoch_steps is not None:
             batches = EpochBatches(batches, len(remaining) * accumulation, accumulation, accelerator.device)

@@ -71,6 +71,10 @@ class TrainerConfig:
         "resume although the data differs from the checkpoint's fingerprint, or with other data.* keys (a WSD decay "
         "on another mixture): weights, optimizer and schedule go on, the data position restarts at an epoch "
         "boundary; its ids must still mean the checkpoint's tokens")] = False
+    resume_with_new_global_batch: Annotated[bool, Arg(
+        "resume with another global batch (data.batch_size x processes x gradient_accumulation_steps), e.g. on a "
+        "process count that cannot keep the checkpoint's, or to raise the batch as training goes on: the epoch "
+        "continues in the same order from the first sample not trained, the schedule by steps")] = False
     run_dir_lease_s: Annotated[float, Arg("a run holds its run dir (.run.lock, touched every lease/4); a holder silent "
                                           "this long is taken over, e.g. after its node was lost", gt=0)] = 60.0
     hang_report_s: Annotated[float, Arg("nothing progressed for this long (no step, evaluation batch, sample or save "
