@@ -21,7 +21,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpointing.checkpointer import agreed_resume_point, resume_point
-from src.checkpointing.load import load_initial_weights
+from src.checkpointing.load import check_length_in_epochs, load_initial_weights
 from src.checkpointing.resume import check_same_data, schedule_for_resume
 from src.checkpointing.training_state import leaves_out_frozen
 from src.data.base import DataModule
@@ -114,6 +114,8 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     data_changed = bool(checkpoint) and check_same_data(checkpoint, fingerprint, cfg.trainer.resume_with_changed_data)
     layout = TrainState(batch_size=data.batch_size, num_processes=accelerator.num_processes,
                         gradient_accumulation_steps=cfg.trainer.gradient_accumulation_steps)
+    if checkpoint and cfg.trainer.resume_with_new_global_batch:
+        check_length_in_epochs(checkpoint, layout, cfg.trainer.max_epochs)
     epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout)  # whole global batches; epochs -> steps
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
     if checkpoint:  # a new length or schedule: taken where the steps already taken keep their learning rates

@@ -86,6 +86,18 @@ POSITION_KEYS = ("step", "epoch", "samples_into_epoch", "best_metric", "best_ste
                  "evals_without_improvement")
 
 
+def check_length_in_epochs(checkpoint: Path, state: TrainState, max_epochs: Optional[int]) -> None:
+    """trainer.max_epochs counts the run in steps of its global batch: with a new one (resume_with_new_global_batch)
+    the steps already taken would be counted again in other units, so the length must be given in steps."""
+    saved = json.loads((checkpoint / STATE_FILE).read_text())
+    written = TrainState(**{key: saved[key] for key in ("batch_size", "num_processes", "gradient_accumulation_steps")})
+    if max_epochs is not None and written.global_batch != state.global_batch:
+        raise UsageError(f"trainer.resume_with_new_global_batch with trainer.max_epochs={max_epochs}: the run's length "
+                         f"counts steps of {written.global_batch} samples up to step {saved['step']}, and of "
+                         f"{state.global_batch} after it, which no number of epochs says; give the length in steps, "
+                         f"trainer.max_steps=N (the schedule then follows it)")
+
+
 def _check_layout(saved: dict, state: TrainState, checkpoint: Path, new_global_batch: bool = False,
                   stream: bool = False) -> bool:
     """Whether the checkpoint was written on this launch's layout; refuses another global batch unless
