@@ -46,6 +46,7 @@ PARTNERS = {
     "data=mixture": ["objective=causal_lm", "data.sources=[{path: a.parquet, weight: 1}]"],
     "experiment=owt_tokens": ["data.path=train.bin"],
     **{f"objective={name}": ["data=jsonl", "data.preference=true"] for name in ("dpo", "simpo", "orpo")},
+    "objective=reward": ["data=jsonl", "data.preference=true", "model.head=reward"],
     "objective=distill": ["objective.teacher=outputs/teacher/model"],
     "objective=distill_causal_lm": ["data=jsonl", "objective.teacher=outputs/teacher/model"],
 }

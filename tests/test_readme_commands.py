@@ -89,8 +89,8 @@ RUN = [
      {}, [*TINY, *STEPS]),
     ("accelerate launch train.py hydra.run.dir=outputs/run data.batch_size=4 trainer.gradient_accumulation_steps=2 "
      "resume=auto", {}, [*TINY, *STEPS, "trainer.max_steps=3"]),
-    ("accelerate launch train.py hydra.run.dir=outputs/run data.batch_size=6 trainer.resume_with_new_global_batch=true "
-     "resume=auto", {}, [*TINY, *STEPS, "trainer.max_steps=4"]),
+    ("accelerate launch train.py hydra.run.dir=outputs/run data.batch_size=6 "
+     "trainer.resume_with_new_global_batch=true resume=auto", {}, [*TINY, *STEPS, "trainer.max_steps=4"]),
     ("accelerate launch train.py model.n_layer=6 optimizer.lr=6e-4 trainer.max_steps=5000 hydra.run.dir=outputs/teacher",
      {}, [*TINY, *STEPS]),
     ("accelerate launch train.py objective=distill objective.teacher=outputs/teacher/model model.n_layer=2 "
@@ -140,7 +140,8 @@ RUN_ON_SLURM = [
 ELIDED = "a command cut short (...) or a placeholder: the commands it stands for are run above"
 IN_PROSE = "a command or flag named in a sentence, not a command to type; what it refers to runs above"
 WALKTHROUGH_FILE = "the bring-your-own walkthrough's file: tests/test_readme_example.py writes and runs it verbatim"
-PREFERENCE_WALKTHROUGH = "the preference-tuning walkthrough (SFT then DPO): tests/test_readme_example.py follows it verbatim"
+PREFERENCE_WALKTHROUGH = ("the preference-tuning walkthrough (SFT, then DPO and a reward model): "
+                          "tests/test_readme_example.py follows it verbatim")
 NOT_RUN = {
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt -r requirements-extras.txt "
     "&& python -m pytest tests": "the suite itself: .ci/run runs it verbatim (checked below)",
@@ -228,6 +229,11 @@ NOT_RUN = {
     "trainer.eval_every=20 trainer.eval_on_start=true trainer.monitor=eval/rewards/accuracies "
     "trainer.monitor_mode=max hydra.run.dir=outputs/dpo": PREFERENCE_WALKTHROUGH,
     "python eval.py path=outputs/dpo/model": PREFERENCE_WALKTHROUGH,
+    "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/sft/model model.block_size=128 "
+    "model.head=reward data=jsonl data.path=data/shakespeare_pairs.jsonl data.preference=true objective=reward "
+    "optimizer.lr=1e-3 trainer.max_steps=40 trainer.eval_every=20 trainer.monitor=eval/rewards/accuracies "
+    "trainer.monitor_mode=max hydra.run.dir=outputs/reward": PREFERENCE_WALKTHROUGH,
+    "python eval.py path=outputs/reward/model": PREFERENCE_WALKTHROUGH,
     "python scripts/prepare_data.py data/shakespeare_pairs.jsonl data/pairs_shards --preference --tokenizer "
     "outputs/sft/model --workers 2 --val-fraction 0.1": PREFERENCE_WALKTHROUGH,
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/sft/model model.block_size=128 "

@@ -130,3 +130,15 @@ def test_readme_preference_walkthrough_tunes_the_tiny_model_then_aligns_it_with_
                          for name in ("accuracies", "margins"))
     assert accuracy[0] == 0 and margins[0] == 0 and margins[0] < margins[20] < margins[40] < margins[60]
     assert accuracy[60] > 0.75  # other validation pairs than the jsonl run's: 57 held out by hash
+    # A reward model on the same pairs, from the SFT model, exported as a sequence classifier eval.py reads back.
+    (_, reward_commands), = blocks("reward-run")
+    for command in reward_commands.strip().splitlines():
+        proc = shell(command, repo)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}"
+    reward = repo / "outputs" / "reward"
+    accuracy, loss = scalars(reward, "eval/rewards/accuracies"), scalars(reward, "eval/loss")
+    assert sorted(accuracy) == [20, 40] and accuracy[40] > 0.55 and loss[40] < min(loss[20], 0.6931)
+    assert json.loads((reward / "model" / "config.json").read_text())["architectures"] == [
+        "GPT2ForSequenceClassification"]
+    scored = json.loads((reward / "model" / "eval_metrics.json").read_text())
+    assert scored["eval/rewards/accuracies"] == pytest.approx(accuracy[40], abs=1e-5)

@@ -13,6 +13,7 @@ layer (src/checkpointing/streamed_export.py): no rank holds the whole model; the
 """
 
 import copy
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -23,6 +24,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_model, save_file
 
+from src.checkpointing.reward_export import as_sequence_classifier, is_reward_model, load_reward_model
 from src.checkpointing.streamed_export import (
     converts_weights,
     export_name,
@@ -66,6 +68,8 @@ def export_model(accelerator, model: torch.nn.Module, config: DictConfig, direct
         OmegaConf.save(config, tmp / "config.yaml", resolve=True)
         if codec is not None:  # text data: how prompts become ids and back (sample.py)
             codec.save(tmp)
+        if is_reward_model(unwrapped):  # model.head=reward: the sequence classifier other tools read
+            as_sequence_classifier(tmp, unwrapped)
         shutil.rmtree(old, ignore_errors=True)
         if directory.exists():
             directory.rename(old)
@@ -139,6 +143,10 @@ def with_adapter_merged(peft_model, state_dict: dict[str, torch.Tensor]) -> torc
     base = peft_model.get_base_model()
     with torch.random.fork_rng(devices=[]):  # the copy's initial weights must not move rank 0's training RNG
         fresh = AutoModelForCausalLM.from_config(base.config, dtype=base.dtype)
+        if is_reward_model(peft_model):  # model.head=reward: its one-wide output layer, as trained
+            from src.models.hf_causal_lm import with_reward_head
+
+            with_reward_head(fresh)
     fresh = get_peft_model(fresh, copy.deepcopy(peft_model.peft_config[peft_model.active_adapter]))
     fresh.load_state_dict(state_dict)
     return fresh.merge_and_unload()
@@ -172,6 +180,8 @@ def load_exported_model(directory: str | Path, device: str | torch.device = "cpu
     """The model of an export folder. Its config.yaml is data: a `_target_` that config/ does not offer is refused
     unless `trusted` names it (`accept`: how the caller's user names it, for the message)."""
     directory = Path(directory)
+    if any(name.endswith("ForSequenceClassification") for name in _architectures(directory)):
+        return load_reward_model(directory).to(device).eval()  # model.head=reward's export, in its training form
     if (directory / "config.json").is_file():  # a transformers model: its config.yaml may name a pretrained
         from transformers import AutoModelForCausalLM  # folder that is gone, config.json has the architecture
 
@@ -186,3 +196,8 @@ def load_exported_model(directory: str | Path, device: str | torch.device = "cpu
     model = instantiate(config, _convert_="all")
     load_model(model, directory / "model.safetensors", strict=True, device=str(device))
     return model.to(device).eval()
+
+
+def _architectures(directory: Path) -> list[str]:
+    config = directory / "config.json"
+    return json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []

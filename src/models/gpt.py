@@ -6,7 +6,7 @@ output projection tied to the token embedding.
 """
 
 import math
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,9 @@ class GPT(nn.Module):
         bias: Annotated[bool, Arg("biases in Linear and LayerNorm layers")] = False,
         gradient_checkpointing: Annotated[bool, Arg("recompute each block's activations in the backward pass: "
                                                     "less memory, about a third more compute")] = False,
+        head: Annotated[Literal["lm", "reward"], Arg(
+            "lm: next-token logits (tied to the embedding); reward: one value per position, a reward model's "
+            "(objective=reward reads it at each answer's last token)")] = "lm",
     ):
         super().__init__()
         self.block_size = block_size
@@ -89,7 +92,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.head = head
+        self.lm_head = nn.Linear(n_embd, vocab_size if head == "lm" else 1, bias=False)
         # Weight tying (Press & Wolf, 2017): fewer parameters and a better LM at this scale.
         self.tie_weights()
 
@@ -101,7 +105,8 @@ class GPT(nn.Module):
 
     def tie_weights(self) -> None:
         """Also what accelerate calls after it moves the model between devices (an FSDP sharded start)."""
-        self.lm_head.weight = self.tok_emb.weight
+        if self.head == "lm":  # a reward model's output layer is its own
+            self.lm_head.weight = self.tok_emb.weight
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -112,7 +117,7 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Token ids (B, T) -> next-token logits (B, T, vocab_size).
+        """Token ids (B, T) -> next-token logits (B, T, vocab_size); with head=reward, values (B, T, 1).
 
         `attention_mask` is accepted so that Hugging Face-style batches fit, and needs no use: with causal
         attention and padding on the right (as src/data/jsonl.py pads), no real token attends to a pad.

@@ -52,6 +52,9 @@ def causal_lm_from_config(
     peft: Annotated[Optional[dict], Arg(
         "a peft config as a mapping, e.g. {peft_type: LORA, r: 8, lora_alpha: 16, target_modules: [c_attn]} "
         "(task_type CAUSAL_LM by default): only the adapter trains (needs peft, requirements-extras.txt)")] = None,
+    head: Annotated[Literal["lm", "reward"], Arg(
+        "lm: next-token logits; reward: the output layer replaced by one value per position, a reward model's "
+        "(objective=reward), exported as a sequence classifier with one label")] = "lm",
 ) -> Any:
     try:
         import torch
@@ -74,11 +77,47 @@ def causal_lm_from_config(
     if positions is not None and block_size > positions:
         source = f"model.pretrained={pretrained}" if pretrained else "model.config"
         raise UsageError(f"model.block_size={block_size} exceeds the {positions} positions of {source}")
+    if head == "reward":
+        from src.checkpointing.reward_export import sequence_classifier_name
+
+        try:
+            sequence_classifier_name(hf_config.model_type)
+        except KeyError:
+            raise UsageError(f"model.head=reward: transformers has no sequence classifier for model_type "
+                             f"{hf_config.model_type}, which the export is written as") from None
+        with_reward_head(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    if peft:
-        model = _with_adapter(model, dict(peft))
+    if peft:  # a reward head is new: it trains whole beside the adapter
+        model = _with_adapter(model, {**dict(peft), **({"modules_to_save": [
+            *(peft.get("modules_to_save") or []), output_layer_name(model)]} if head == "reward" else {})})
     return model
+
+
+def with_reward_head(model: Any) -> Any:
+    """The model's output layer replaced by one value per position (untied from the input embedding), initialised
+    as OpenRLHF and TRL's value heads are (normal, std 1/sqrt(width + 1)). Built without values (FSDP's sharded
+    start), it is made so too and its values come from rank 0, as the rest."""
+    import math
+
+    import torch
+
+    old = model.get_output_embeddings()
+    if not isinstance(old, torch.nn.Linear):
+        raise UsageError(f"model.head=reward replaces the output layer, a torch.nn.Linear found by "
+                         f"get_output_embeddings(); {type(model).__name__} has {type(old).__name__}")
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.tie_word_embeddings = False  # transformers would tie it to the input embedding again
+    layer = torch.nn.Linear(old.in_features, 1, bias=False, device=old.weight.device, dtype=old.weight.dtype)
+    if not layer.weight.is_meta:
+        torch.nn.init.normal_(layer.weight, std=1 / math.sqrt(old.in_features + 1))
+    model.set_output_embeddings(layer)
+    return model
+
+
+def output_layer_name(model: Any) -> str:
+    layer = model.get_output_embeddings()
+    return next(name for name, module in model.named_modules() if module is layer)
 
 
 def _with_adapter(model: Any, peft_config: dict) -> Any:

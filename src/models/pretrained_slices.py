@@ -87,6 +87,8 @@ def _folder(model_cfg: DictConfig) -> Path:
 
 
 def _plan(model_cfg: DictConfig) -> tuple[Optional[PretrainedSlices], str]:
+    if model_cfg.get("head", "lm") != "lm":
+        return None, f"model.head={model_cfg.head} makes a new output layer, whose values rank 0 sends"
     peft = dict(model_cfg.get("peft") or {})
     if peft and (str(peft.get("peft_type", "")).upper() != "LORA" or peft.get("use_dora")
                  or peft.get("init_lora_weights", True) not in ADAPTER_INITS_WITHOUT_BASE_WEIGHTS):

@@ -123,9 +123,18 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
     pairs, on_pairs = bool(cfg.data.get("preference")), getattr(objective_cls, "trains_on_pairs", False)
     if pairs != on_pairs:
         problems.append(f"data.preference={str(pairs).lower()} with objective={chosen_option(cfg, 'objective')}: "
-                        + ("preference pairs train objective=dpo, simpo or orpo" if pairs else
+                        + ("preference pairs train objective=dpo, simpo, orpo or reward" if pairs else
                            "this objective trains on preference pairs: data=jsonl, data=hf_dataset or data=shards "
                            "with data.preference=true"))
+    scores = cfg.objective._target_ == "src.objectives.reward.Reward"
+    if scores != (cfg.model.get("head", "lm") == "reward"):
+        problems.append("objective=reward trains a model whose output layer gives one value per position: "
+                        "model.head=reward" if scores else f"model.head=reward gives one value per position, which "
+                        f"only objective=reward reads (objective={chosen_option(cfg, 'objective')} reads logits)")
+    if scores and (trainer.sample_every or trainer.eval_tasks):
+        problems.append(f"trainer.{'sample_every' if trainer.sample_every else 'eval_tasks'} with objective=reward: a "
+                        "reward model scores text, it does not write it; set it to "
+                        f"{'0' if trainer.sample_every else '[]'}")
     if cfg.optimizer.scale_lr != "none" and cfg.optimizer.reference_batch is None:
         problems.append(f"optimizer.scale_lr={cfg.optimizer.scale_lr} needs optimizer.reference_batch: the global batch "
                         "(samples per optimizer step) optimizer.lr was tuned for")
