@@ -103,9 +103,10 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
 
     # A pretrained model or tokenizer named by a hub id: downloaded once per machine before anyone reads it.
     # The newest commit, where no revision was asked for, is recorded: a resume or an evaluation reads the same files.
-    commits = fetch_from_hub(accelerator, cfg.model, cfg.data, BUILT_IN_TOKENIZERS)
-    cfg = with_values(cfg, {revision: commits[key] for key, revision in (("model.pretrained", "model.revision"),
-                                                                        ("data.tokenizer", "data.tokenizer_revision"))
+    commits = fetch_from_hub(accelerator, cfg.model, cfg.data, BUILT_IN_TOKENIZERS, cfg.objective)
+    pins = (("model.pretrained", "model.revision"), ("data.tokenizer", "data.tokenizer_revision"),
+            ("objective.teacher", "objective.teacher_revision"))
+    cfg = with_values(cfg, {revision: commits[key] for key, revision in pins
                             if key in commits and OmegaConf.select(cfg, revision, default="absent") is None})
     # The data first: the model config may use sizes only the data knows (${dataset:vocab_size}).
     data = build(cfg.data, group="data")

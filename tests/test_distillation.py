@@ -101,6 +101,26 @@ def test_distillation_is_exact_on_two_processes_and_eval_py_scores_the_student_w
     assert abs(scored["eval/kl"] - scalars(two, "eval/kl")[12]) <= 1e-5
 
 
+def test_a_hub_teachers_commit_is_recorded_and_eval_py_reads_it_after_the_hub_has_moved_on(teacher, tmp_path):
+    """A teacher named by a hub id is read at its newest revision, A, whose commit the run records as
+    objective.teacher_revision; then main moves to B, another model: eval.py still scores the student against A,
+    as the run's last evaluation did."""
+    from omegaconf import OmegaConf
+
+    from tests.conftest import HF_HOME, put_in_hub_cache
+
+    repo_id, a, b = f"tiny-org/teacher-{tmp_path.name}", "a" * 40, "b" * 40
+    put_in_hub_cache(teacher / "model", Path(HF_HOME), repo_id, commit=a)
+    run_dir = tmp_path / "student"
+    run([*TINY_GPT, *QUIET, *FAST, "objective=distill", f"objective.teacher={repo_id}", "model.n_embd=16",
+         "trainer.max_steps=4", f"hydra.run.dir={run_dir}"])
+    assert OmegaConf.load(run_dir / "config.yaml").objective.teacher_revision == a
+    put_in_hub_cache(run_dir / "model", Path(HF_HOME), repo_id, commit=b)  # main -> B: the student itself
+    run([f"path={run_dir / 'model'}", "eval_batches=4"], script="eval.py")
+    scored = json.loads((run_dir / "model" / "eval_metrics.json").read_text())
+    assert scored["eval/kl"] > 0.1 and abs(scored["eval/kl"] - scalars(run_dir, "eval/kl")[4]) <= 1e-5
+
+
 def test_a_teacher_whose_ids_mean_other_tokens_is_refused_before_training(tmp_path):
     bytes_teacher = tmp_path / "bytes_teacher"
     run([*TINY_GPT, *QUIET, "data.level=byte", "trainer.max_steps=1", f"hydra.run.dir={bytes_teacher}"])

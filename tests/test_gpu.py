@@ -187,3 +187,13 @@ def test_a_student_distils_from_its_teacher_under_bf16_autocast_and_compile_on_c
              f"hydra.run.dir={small}"], timeout=600)
     kl = scalars(small, "eval/kl")
     assert kl[12] < 0.5 * kl[0]
+    # objective.chunk_tokens: both models' logits made chunk by chunk in the student's output layer (the teacher's
+    # from its last hidden states), compiled: on the same starting weights, the terms of the whole logits within
+    # bf16's rounding (later steps drift apart as any two bf16 runs do).
+    chunked = tmp_path / "chunked"
+    gpu_run([*distil, "objective.kd_ratio=1", "model.n_embd=16", "trainer.max_steps=12", "trainer.eval_on_start=true",
+             "objective.chunk_tokens=64", f"hydra.run.dir={chunked}"], timeout=600)
+    for name, step in (("eval/kl", 0), ("train/kl", 1), ("train/ce", 1)):
+        whole, in_chunks = scalars(small, name)[step], scalars(chunked, name)[step]
+        assert abs(in_chunks - whole) <= 2e-2 * abs(whole) + 1e-3, (name, whole, in_chunks)
+    assert scalars(chunked, "eval/kl")[12] < 0.5 * scalars(chunked, "eval/kl")[0]

@@ -65,7 +65,7 @@ LAYOUT_ON_RESUME = {"data.batch_size", "trainer.gradient_accumulation_steps"}
 # null in a config means "the launcher decides"; a checkpoint records the value that was in effect.
 LAUNCHER_SETTABLE = {"trainer.mixed_precision", "trainer.gradient_accumulation_steps"}
 # null means "the newest": the run records the commit it started from (src/models/hub.py), which a resume keeps.
-DECIDED_BY_THE_RUN = {"model.revision", "data.tokenizer_revision"}
+DECIDED_BY_THE_RUN = {"model.revision", "data.tokenizer_revision", "objective.teacher_revision"}
 
 
 def resume_source(resume: Optional[str], run_dir: Path) -> Optional[Path]:

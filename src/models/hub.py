@@ -126,15 +126,18 @@ def _as_list(value) -> list:
     return [] if value is None else value if isinstance(value, list) else [value]
 
 
-def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_tokenizers: tuple) -> dict[str, str]:
-    """Fetch the hub ids that model.pretrained and data.tokenizer name, once per machine, before any process
-    reads them: the first process of each machine asks the hub for model.revision / data.tokenizer_revision (or
-    the newest), the others then find it in the cache. Returns key -> the commit fetched (the same on every
-    rank), for the keys that name a hub id: "model.pretrained", "data.tokenizer"."""
+def fetch_from_hub(accelerator: Accelerator, model_cfg, data_cfg, built_in_tokenizers: tuple,
+                   objective_cfg=None) -> dict[str, str]:
+    """Fetch the hub ids that model.pretrained, data.tokenizer and objective.teacher name, once per machine, before
+    any process reads them: the first process of each machine asks the hub for model.revision /
+    data.tokenizer_revision / objective.teacher_revision (or the newest), the others then find it in the cache.
+    Returns key -> the commit fetched (the same on every rank), for the keys that name a hub id."""
+    objective_cfg = objective_cfg or {}
     wanted: dict[str, tuple[list[str], list[str], Optional[str]]] = {}  # hub id -> (keys, files, revision)
     for key, name, files, revision in (
             ("model.pretrained", model_cfg.get("pretrained"), MODEL_FILES, model_cfg.get("revision")),
-            ("data.tokenizer", data_cfg.get("tokenizer"), TOKENIZER_FILES, data_cfg.get("tokenizer_revision"))):
+            ("data.tokenizer", data_cfg.get("tokenizer"), TOKENIZER_FILES, data_cfg.get("tokenizer_revision")),
+            ("objective.teacher", objective_cfg.get("teacher"), MODEL_FILES, objective_cfg.get("teacher_revision"))):
         if isinstance(name, str) and name not in built_in_tokenizers and is_hub_id(name):
             keys, _, asked = wanted.setdefault(name, ([], files, revision))
             keys.append(key)  # a model's id serves its tokenizer too (the data's default): one fetch

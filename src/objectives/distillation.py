@@ -57,6 +57,9 @@ class Distillation(CrossEntropy):
         divergence: Annotated[Literal["forward", "reverse"], Arg(
             "forward: KL(teacher || student), the student covers all the teacher's mass; reverse: "
             "KL(student || teacher), it seeks the teacher's main modes (MiniLLM)")] = "forward",
+        teacher_revision: Annotated[Optional[str], Arg(
+            "with a hub id: its branch, tag or commit (null: the newest, whose commit the run's config then records, "
+            "so that a resume or an evaluation reads the same teacher)")] = None,
         teacher_dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], Arg(
             "the teacher's weights in this dtype, e.g. bfloat16 to halve its memory where the student trains under "
             "bf16 autocast, which computes in bf16 anyway (null: as stored)")] = None,
@@ -72,6 +75,7 @@ class Distillation(CrossEntropy):
         self.teacher_path, self.kd_ratio, self.temperature, self.divergence = (
             teacher, kd_ratio, temperature, divergence)
         self.teacher_dtype = getattr(torch, teacher_dtype) if teacher_dtype else None
+        self.teacher_revision = teacher_revision
         self.teacher: Optional[torch.nn.Module] = None
         self.accelerator = None
         self._sums: Optional[torch.Tensor] = None  # this rank's (cross-entropy, KL) since the last logging step
@@ -256,7 +260,8 @@ class Distillation(CrossEntropy):
         from src.models.hub import MODEL_FILES, TOKENIZER_FILES, local_path
 
         key = f"objective.teacher={self.teacher_path}"
-        folder = local_path(self.teacher_path, "objective.teacher", MODEL_FILES + TOKENIZER_FILES, quiet=True)
+        folder = local_path(self.teacher_path, "objective.teacher", MODEL_FILES + TOKENIZER_FILES, quiet=True,
+                            revision=self.teacher_revision)
         if not folder.is_dir():
             raise UsageError(f"{key}: no such folder; give an export (RUN/model), a checkpoint "
                              "(RUN/checkpoints/step_N), or a transformers folder or hub id")
