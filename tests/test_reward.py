@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from src.errors import UsageError
 from tests.conftest import FSDP_ON_CPU, QUIET, named, run, scalars
 from tests.test_config import compose_train
-from tests.test_preference import PAIRS_FILE, shipped_pairs
+from tests.test_preference import LORA, PAIRS_FILE, shipped_pairs
 
 PAIRS = ["data=jsonl", f"data.path={PAIRS_FILE}", "data.preference=true", "objective=reward", "model.head=reward"]
 GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=256", "model.dropout=0.0"]
@@ -76,11 +76,12 @@ def test_a_reward_model_trains_the_same_on_two_processes_as_on_one_accumulating(
     assert sorted(two) == [1, 2, 3, 4] and max(abs(one[s] - two[s]) for s in one) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["one process", "fsdp"])
+@pytest.mark.parametrize("layout", ["one process", "fsdp", "fsdp lora"])
 def test_a_transformers_reward_model_exports_as_a_sequence_classifier_and_eval_py_reads_it_back(
         pretrained, tmp_path, layout):
     """AutoModelForSequenceClassification loads the export with no weight missing or left over, and scores each
-    row as the trained model's value at its last token; eval.py's metrics of the export are the run's last."""
+    row as the trained model's value at its last token; eval.py's metrics of the export are the run's last. Under
+    FSDP with LoRA the head trains whole beside the adapter and the export is still written tensor by tensor."""
     from transformers import AutoModelForSequenceClassification
 
     from src.checkpointing.export import load_exported_model
@@ -88,10 +89,11 @@ def test_a_transformers_reward_model_exports_as_a_sequence_classifier_and_eval_p
     run_dir = tmp_path / "reward"
     proc = run(["model=hf_causal_lm", f"model.pretrained={pretrained}", "model.block_size=64", *PAIRS,
                 f"data.tokenizer={pretrained}", "optimizer.lr=1e-3", "trainer.max_steps=6", "trainer.eval_every=0",
-                "trainer.monitor=null", f"hydra.run.dir={run_dir}"],
-               **({"nproc": 2, **FSDP_ON_CPU} if layout == "fsdp" else {}))
-    if layout == "fsdp":
+                "trainer.monitor=null", f"hydra.run.dir={run_dir}", *([LORA] if "lora" in layout else [])],
+               **({"nproc": 2, **FSDP_ON_CPU} if "fsdp" in layout else {}))
+    if "fsdp" in layout:
         named(proc.stdout, "model.head=reward makes a new output layer")
+        assert "gathering the whole model" not in proc.stdout
     export = run_dir / "model"
     classifier, info = AutoModelForSequenceClassification.from_pretrained(export, output_loading_info=True)
     assert not any(info.values()), info

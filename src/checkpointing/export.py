@@ -87,8 +87,10 @@ def export_streamed(accelerator, unwrapped: torch.nn.Module, tmp: Path) -> bool:
         entries = None if converts_weights(base) else lora_merged_entries(unwrapped, tied_copies(base, export_name))
         if entries is None:
             return False
-        # The adapter's own weights are small: gathered whole, and written as peft writes them.
-        adapter = {name: gathered(tensor)() for name, tensor in unwrapped.state_dict().items() if "lora_" in name}
+        # The adapter's own weights are small: gathered whole, and written as peft writes them (with the modules it
+        # trains whole beside it, modules_to_save: a reward model's head).
+        adapter = {name: gathered(tensor)() for name, tensor in unwrapped.state_dict().items()
+                   if "lora_" in name or ".modules_to_save." in name}
         if main:
             unwrapped.save_pretrained(tmp / "adapter", state_dict=adapter)
     else:

@@ -57,8 +57,9 @@ def model_entries(model: torch.nn.Module, drop: set[str] = frozenset()) -> list[
 
 
 def lora_merged_entries(peft_model: torch.nn.Module, drop: set[str]) -> Optional[list[Entry]]:
-    """The merged model's state dict as entries, each LoRA layer's weight merged as it is written; None where the
-    adapter is not plain LoRA on linear layers (DoRA, other peft methods: the gathered path merges those)."""
+    """The merged model's state dict as entries, each LoRA layer's weight merged as it is written, a module peft
+    trains whole beside the adapter (modules_to_save: a reward model's new head) as its trained copy; None where
+    the adapter is not plain LoRA on linear layers (DoRA, other peft methods: the gathered path merges those)."""
     from peft.tuners.lora import Linear, LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
@@ -68,16 +69,23 @@ def lora_merged_entries(peft_model: torch.nn.Module, drop: set[str]) -> Optional
             or getattr(config, "lora_bias", False)):
         return None
     base = peft_model.get_base_model()
-    layers = {}
+    layers, saved_whole = {}, []
     for name, module in base.named_modules():
         if isinstance(module, ModulesToSaveWrapper):
-            return None
+            saved_whole.append(clean(name))
+            continue
         if isinstance(module, LoraLayer):
             if not isinstance(module, Linear) or adapter not in module.lora_A:
                 return None
             layers[clean(name)] = module
     out, states = [], {clean(name): tensor for name, tensor in base.state_dict().items()}
     for name, tensor in states.items():
+        wrapper = next((w for w in saved_whole if name.startswith(f"{w}.")), None)
+        if wrapper is not None:  # the trained copy under the module's own name; the original and others are not
+            trained = f"{wrapper}.modules_to_save.{adapter}."
+            if not name.startswith(trained):
+                continue
+            name = f"{wrapper}.{name.removeprefix(trained)}"
         owner, _, leaf = name.rpartition(".")
         if ".lora_" in f".{name}" or "lora_magnitude_vector" in name:
             continue  # folded into their base weight below
