@@ -120,9 +120,12 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
      * r["mean"]["data alone"]["ms_per_step"]),
     (["loss-memory", "--objective", "distill", "--vocab", "32000", "--tokens", "128", "--batch", "2", "--n-embd",
       "32", "--chunk-tokens", "64"],
-     lambda r: r["peak_ratio_plain_over_chunked"] * (r["loss_difference"] < 1e-2)),
+     lambda r: r["chunk_tokens=null"]["step_peak_gib"] * (r["loss_difference"] < 1e-2)),
+    (["teacher-memory", "--teachers", "2x64"],
+     lambda r: len(r["teacher 2x64"]["export, read in slices: MiB per rank over a tiny teacher's run"]) == 2
+     and r["teacher 2x64"]["teacher_mib"]),
 ], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data", "preference", "preference-packing",
-        "optimizers", "schedules", "distill", "loss-memory-distill"])
+        "optimizers", "schedules", "distill", "loss-memory-distill", "teacher-memory"])
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
     args = [*command, "--dir", str(tmp_path)] if command[0] in ("checkpoint", "scale") else command

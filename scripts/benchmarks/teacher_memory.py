@@ -1,0 +1,64 @@
+"""teacher-memory: what a distillation teacher costs each rank under FSDP2 before the first step, read in slices
+(an export: every rank builds it without values and reads only its shard's part, src/objectives/distillation.py)
+against read whole by every rank first (a checkpoint of the same teacher, which is still read so).
+
+For each teacher size (--teachers, layers x width of the template's GPT, trained for one step here so that it has
+an export and a checkpoint), a tiny student distils from its export and from its checkpoint on --processes
+processes under accelerate's FSDP2 plugin (tests/fsdp_on_cpu.py on a CPU), and once from a tiny teacher: each
+rank's resident peak before the first step (the run's summary.json) over the tiny teacher's run is what the teacher
+cost it. Reported per size: the teacher's bytes, and that cost per rank either way.
+"""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from scripts.benchmarks.common import run
+from scripts.benchmarks.scale import launch
+
+STUDENT = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=32", "data.batch_size=8",
+           "trainer.max_steps=1", "trainer.eval_every=0", "trainer.monitor=null", "trainer.log_every=1"]
+
+
+def teacher_memory(args) -> dict:
+    report: dict = {"processes": args.processes}
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def trained(shape: str) -> Path:
+            layers, width = (int(part) for part in shape.split("x"))
+            run_dir = Path(tmp) / f"teacher_{shape}"
+            run([sys.executable, "train.py", f"model.n_layer={layers}", f"model.n_embd={width}", "model.n_head=8",
+                 "model.block_size=32", "data.batch_size=2", "trainer.max_steps=1", "trainer.eval_every=0",
+                 "trainer.monitor=null", f"hydra.run.dir={run_dir}"])
+            return run_dir
+
+        def start_up_peaks(teacher: Path, name: str) -> list[float]:
+            run_dir = Path(tmp) / f"student_{name}"
+            run([*launch("fsdp2", args.processes), *STUDENT, "objective=distill", f"objective.teacher={teacher}",
+                 f"hydra.run.dir={run_dir}"])
+            return json.loads((run_dir / "summary.json").read_text())["peak_memory_gib"][
+                "rss_per_rank_before_the_first_step"]
+
+        baseline = start_up_peaks(trained("1x16") / "model", "tiny")
+        for shape in args.teachers:
+            teacher = trained(shape)
+            checkpoint = next((teacher / "checkpoints").iterdir())
+            row = {"teacher_mib": round((teacher / "model" / "model.safetensors").stat().st_size / 2**20, 1)}
+            for how, source in (("export, read in slices", teacher / "model"),
+                                ("checkpoint, read whole by each rank", checkpoint)):
+                peaks = start_up_peaks(source, f"{shape}_{how.split(',')[0]}")
+                row[f"{how}: MiB per rank over a tiny teacher's run"] = [round(1024 * (p - b), 1) for p, b in
+                                                                        zip(peaks, baseline)]
+            report[f"teacher {shape}"] = row
+            print(json.dumps({shape: row}), file=sys.stderr, flush=True)
+    return report
+
+
+def add_commands(commands) -> dict:
+    c = commands.add_parser("teacher-memory", help="a distillation teacher's cost per rank under FSDP2: read in "
+                                                   "slices vs whole")
+    c.add_argument("--teachers", nargs="+", default=["24x512"], help="teacher sizes, layers x width (each is "
+                   "trained for one step on this machine first: 24x1024 took over 15 minutes on 2 CPU cores)")
+    c.add_argument("--processes", type=int, default=2)
+    return {"teacher-memory": teacher_memory}
