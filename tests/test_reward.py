@@ -3,6 +3,7 @@ reward the value at each answer's last token, padded or packed; exact on any lay
 as the sequence classifier other tools read, and read back by eval.py."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +106,15 @@ def test_a_transformers_reward_model_exports_as_a_sequence_classifier_and_eval_p
         scores = classifier(input_ids=ids).logits[:, 0]
         values = trained(input_ids=ids).logits[:, :, 0]
     torch.testing.assert_close(scores, torch.stack([values[0, 5], values[1, 3]]), rtol=1e-5, atol=1e-5)
+    if layout == "one process":  # a file whose weights do not fit the reward form is refused, naming what differs
+        import shutil
+
+        from safetensors.torch import load_file, save_file
+
+        odd = Path(shutil.copytree(export, tmp_path / "odd"))
+        save_file({**load_file(odd / "model.safetensors"), "extra.weight": torch.zeros(1)}, odd / "model.safetensors")
+        with pytest.raises(FileNotFoundError, match="unexpected.*extra.weight"):
+            load_exported_model(odd)
     run([f"path={export}"], script="eval.py")
     metrics = json.loads((export / "eval_metrics.json").read_text())
     assert abs(metrics["eval/rewards/accuracies"] - scalars(run_dir, "eval/rewards/accuracies")[6]) < 1e-6

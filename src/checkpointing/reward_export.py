@@ -78,10 +78,13 @@ def load_reward_model(folder: Path) -> Any:
     for name in files:
         weights.update(load_file(folder / name))
     weights[key] = weights.pop(SCORE)
+    expected = set(model.state_dict())
+    missing = expected - set(weights) - {name for name, _ in model.named_buffers()}  # buffers: computed, or saved
+    unexpected = set(weights) - expected
+    if missing or unexpected:
+        raise FileNotFoundError(f"{folder}: its weights do not fit {type(model).__name__} with a reward head "
+                                f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
     model.load_state_dict(weights, strict=False)
-    missing = set(model.state_dict()) - set(weights) - {name for name, _ in model.named_buffers()}
-    if missing:
-        raise FileNotFoundError(f"{folder}: its weights lack {sorted(missing)[:3]}")
     return model
 
 
