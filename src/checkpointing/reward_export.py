@@ -39,9 +39,10 @@ def as_sequence_classifier(folder: Path, model: Any) -> None:
     """Main process: the export in `folder` of a reward model `model`, rewritten as its sequence classifier."""
     from transformers import AutoConfig
 
+    from src.models.hf_causal_lm import output_layer_name
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layer = base.get_output_embeddings()
-    key = next(name for name, module in base.named_modules() if module is layer) + ".weight"
+    key = output_layer_name(base) + ".weight"
     index = folder / INDEX
     if index.is_file():
         record = json.loads(index.read_text())
@@ -65,12 +66,11 @@ def load_reward_model(folder: Path) -> Any:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from src.models.hf_causal_lm import with_reward_head
+    from src.models.hf_causal_lm import output_layer_name, with_reward_head
 
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     model = with_reward_head(AutoModelForCausalLM.from_config(config, dtype=config.dtype))
-    layer = model.get_output_embeddings()
-    key = next(name for name, module in model.named_modules() if module is layer) + ".weight"
+    key = output_layer_name(model) + ".weight"
     index = folder / INDEX
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
         "model.safetensors"]
