@@ -96,7 +96,8 @@ def train(cfg: DictConfig, run_dir: Path) -> float | None:
     preemption = PreemptionWatch(accelerator.num_processes)  # SIGTERM, SIGUSR1/2, Ctrl-C: save, then stop
     stop = StopDecision(trainer, preemption)
     skip = SkipSteps(trainer.skip_steps, accelerator.is_main_process)
-    spikes = SpikeWatch(trainer.spike_factor, run_dir, trainer.log_every, accelerator.is_main_process)
+    spikes = SpikeWatch(trainer.spike_factor if run.objective.loss_spikes_matter else None, run_dir,
+                        trainer.log_every, accelerator.is_main_process)
     progress = Progress(accelerator, trainer.max_steps, state.step, trainer.progress_interval_s)
     model.train()
     evaluate.before_training(state.step)  # trainer.eval_on_start: a fresh run's metrics at step 0

@@ -47,6 +47,8 @@ PARTNERS = {
     "experiment=owt_tokens": ["data.path=train.bin"],
     **{f"objective={name}": ["data=jsonl", "data.preference=true"] for name in ("dpo", "simpo", "orpo")},
     "objective=reward": ["data=jsonl", "data.preference=true", "model.head=reward"],
+    "objective=grpo": ["data=prompts"],
+    "data=prompts": ["objective=grpo"],
     "objective=distill": ["objective.teacher=outputs/teacher/model"],
     "objective=distill_causal_lm": ["data=jsonl", "objective.teacher=outputs/teacher/model"],
 }

@@ -140,6 +140,13 @@ def test_a_falling_or_noisy_loss_is_no_spike_and_a_jump_is_reported_once_naming_
     assert not any(quiet.logged(step, {"train/loss": 100.0 * step}) for step in range(10, 200, 10))
 
 
+def test_a_loss_around_zero_or_below_has_no_scale_to_spike_on(tmp_path):
+    """A policy gradient's loss (objective=grpo) is about 0, either sign: 0 after a median of -1e-8 is no spike."""
+    spikes = watch(tmp_path)
+    assert not any(spikes.logged(10 * (i + 1), {"train/loss": loss}) for i, loss in
+                   enumerate([-1e-8, 2e-9, -3e-8, -1e-9, -2e-8, 0.0, -1e-8, 4e-8, 0.0]))
+
+
 def test_a_spike_before_any_checkpoint_says_there_is_none_to_rewind_to(tmp_path):
     spikes = watch(tmp_path, saved=(50,))  # saved at step 50, but the spike may have begun at step 41
     for step in range(10, 60, 10):

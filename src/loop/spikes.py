@@ -31,7 +31,7 @@ class SpikeWatch:
         if not self.active or loss is None:
             return None
         bar = self.factor * median(self.recent) if len(self.recent) >= 5 else None
-        spiking = bar is not None and loss > bar
+        spiking = bar is not None and bar > 0 and loss > bar  # a loss around 0 or below has no scale to spike on
         report = None
         if spiking and not self.in_spike:
             report = self.report(step, loss, bar / self.factor)

@@ -50,6 +50,7 @@ class TrainStep:
         window = [split_batch(batch, self.objective.target_key) for batch in window]  # (inputs, targets) pairs
         targets, tokens = global_target_count(accelerator, self.objective, [t for _, t in window])
         loss_sum, applied = 0.0, True
+        self.objective.before_step(step)
         if accelerator.scaler is not None and self.scale is None:
             self.scale = accelerator.scaler.get_scale()  # fp16: the scale the first step starts from
         for inputs, micro_targets in window:

@@ -25,6 +25,9 @@ class Objective:
     metric_names: ClassVar[tuple[str, ...]] = ("loss",)
     # Whether the objective aligns targets that equal the inputs itself (Hugging Face's labels convention).
     shifts_targets: ClassVar[bool] = False
+    # Whether a spike of train/loss means trouble (trainer.spike_factor watches it): not for a policy gradient's
+    # loss, which is about 0 in value whatever the policy does (src/objectives/grpo.py).
+    loss_spikes_matter: ClassVar[bool] = True
 
     def __init__(self, target_key: Annotated[str, Arg("the batch key holding the targets (mapping batches)")]
                  = "labels"):
@@ -71,6 +74,10 @@ class Objective:
     def start(self, accelerator, model: torch.nn.Module, data, run_dir, checkpoint) -> None:
         """Called once the model is prepared, before a resume loads `checkpoint` (None: a fresh run): the model as
         it starts."""
+
+    def before_step(self, step: int) -> None:
+        """Called before each optimizer step with its number (0 for the first): objective=grpo seeds its
+        completions with it."""
 
     def with_reference(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> Any:
         """The inputs with what is computed outside the (compiled) step: a reference model's numbers."""

@@ -56,6 +56,7 @@ def complete_config(cfg: DictConfig, warnings: Optional[list[str]] = None) -> Di
     schemas["trainer"] = schema_of(TrainerConfig)
     completed["trainer"], found = complete(cfg.trainer, schemas["trainer"], "trainer.")
     problems += found or _length_of_run(cfg.trainer, completed["trainer"])
+    _objective_monitor(cfg, completed["trainer"])
     if problems:
         raise ConfigError(problems)
 
@@ -97,6 +98,15 @@ def _length_of_run(given: DictConfig, trainer: dict) -> list[str]:
     return []
 
 
+def _objective_monitor(cfg: DictConfig, trainer: dict) -> None:
+    """An objective without eval/loss (objective=grpo) names the metric that picks its best checkpoint, unless
+    trainer.monitor was given."""
+    objective_cls = _target_class(cfg, "objective", [])
+    default = getattr(objective_cls, "default_monitor", None)
+    if default is not None and "monitor" not in cfg.trainer and "monitor_mode" not in cfg.trainer:
+        trainer["monitor"], trainer["monitor_mode"] = default
+
+
 def _target_class(cfg: DictConfig, group: str, problems: list[str]) -> Any:
     target = OmegaConf.select(cfg, f"{group}._target_")
     try:
@@ -126,6 +136,11 @@ def _cross_checks(cfg: DictConfig, warnings: list[str]) -> list[str]:
                         + ("preference pairs train objective=dpo, simpo, orpo or reward" if pairs else
                            "this objective trains on preference pairs: data=jsonl, data=hf_dataset or data=shards "
                            "with data.preference=true"))
+    prompts, on_prompts = getattr(data_cls, "gives_prompts", False), getattr(objective_cls, "trains_on_prompts", False)
+    if prompts != on_prompts:
+        problems.append(f"data={chosen_option(cfg, 'data')} with objective={chosen_option(cfg, 'objective')}: "
+                        + ("data=prompts gives prompts without answers, which objective=grpo writes itself" if prompts
+                           else "objective=grpo writes completions to prompts: use data=prompts"))
     scores = cfg.objective._target_ == "src.objectives.reward.Reward"
     if scores != (cfg.model.get("head", "lm") == "reward"):
         problems.append("objective=reward trains a model whose output layer gives one value per position: "

@@ -1,0 +1,104 @@
+"""Prompts for online training (`data=prompts`, for objective=grpo): the model writes the completions itself.
+
+Each line of a JSON Lines file holds a prompt under `prompt_key` (a string, or a conversation: a list of {role,
+content} messages that the tokenizer's chat template renders, ending with its cue for the assistant's turn) and any
+other columns, which the reward function receives beside the prompts and completions (TRL's GRPOTrainer passes a
+dataset's columns the same way: a GSM8K row's `answer`). A prompt is tokenized as `data=jsonl` tokenizes one
+(src/data/jsonl.py: a string with the tokenizer's special tokens, a BOS where it adds one; a rendered conversation
+without). A batch is the prompts padded on the right, their lengths, and their numbers (validation prompts after
+the training ones), by which the objective finds each prompt's row and seeds its completions:
+
+    {"input_ids": (B, T), "prompt_tokens": (B,), "prompt_index": (B,)}
+
+The bundled sample, data/arithmetic_prompts.jsonl, asks for sums of two small numbers with the answer beside each
+(src/objectives/rewards.py's `final_number` reward checks it).
+"""
+
+from typing import Annotated, Any, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from src.data.base import DataModule, model_size, readable_file
+from src.data.jsonl import _records, chat_texts
+from src.data.tokenizer import REVISION, codec_for
+from src.errors import UsageError
+from src.schema.signature import Arg
+
+
+def prompt_ids(codec, prompt) -> list[int]:
+    """A prompt's token ids as data=jsonl makes a prompted sample's first ones (jsonl.prompted)."""
+    if isinstance(prompt, list):  # a conversation: the template's text up to the assistant's turn
+        text, _ = chat_texts(codec, prompt, [])
+        return codec.encode(text, False)
+    return codec.encode(prompt, True)
+
+
+class Prompts(Dataset):
+    """Prompts' token ids as samples; `first_index` numbers them (validation prompts follow the training ones)."""
+
+    def __init__(self, ids: list[list[int]], first_index: int = 0):
+        self.ids, self.first_index = ids, first_index
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.tensor(self.ids[i], dtype=torch.long),
+                "prompt_index": torch.tensor(self.first_index + i)}
+
+
+def collate_prompts(samples: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    lengths = [len(s["input_ids"]) for s in samples]
+    ids = torch.full((len(samples), max(lengths)), pad_id, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        ids[row, :lengths[row]] = sample["input_ids"]
+    return {"input_ids": ids, "prompt_tokens": torch.tensor(lengths),
+            "prompt_index": torch.stack([s["prompt_index"] for s in samples])}
+
+
+class PromptsData(DataModule):
+    gives_prompts = True  # checked against the objective before the run starts (objective=grpo)
+
+    def __init__(
+        self,
+        block_size: Annotated[int, Arg("the model's context: a prompt and its completion together", ge=2)],
+        path: Annotated[str, Arg("JSON Lines file, one prompt per line with the reward's columns beside it")
+                        ] = "data/arithmetic_prompts.jsonl",
+        prompt_key: Annotated[str, Arg("the key of each line's prompt (a string or a list of messages)")] = "prompt",
+        tokenizer: Annotated[Optional[str], Arg("byte, char (vocabulary from the file's strings), a tokenizers JSON "
+                                                "file, or a from_pretrained folder or hub id holding one (null: byte)")
+                             ] = "byte",
+        tokenizer_revision: Annotated[Optional[str], Arg(REVISION)] = None,
+        val_fraction: Annotated[float, Arg("the last prompts, as a fraction, validate", gt=0, lt=1)] = 0.1,
+        **loader,
+    ):
+        super().__init__(**loader)
+        file = readable_file(path, "data.path")
+        self.source_files = {file.name: file}
+        self.block_size = block_size
+        records = list(_records(file))
+        for number, record in records:
+            if prompt_key not in record:
+                raise UsageError(f"{file}:{number}: no {prompt_key!r} key (data.prompt_key); keys: {sorted(record)}")
+        strings = [value for _, record in records for value in record.values() if isinstance(value, str)]
+        self.codec = codec_for(tokenizer, strings, revision=tokenizer_revision)
+        ids = []
+        for number, record in records:
+            ids.append(prompt_ids(self.codec, record[prompt_key]))
+            if not ids[-1]:
+                raise UsageError(f"{file}:{number}: the prompt has no token; a completion needs something to follow")
+        # What the reward function reads of each prompt, by prompt_index: the prompt as written and its columns.
+        self.rows: list[dict[str, Any]] = [{"prompt": record[prompt_key],
+                                            **{k: v for k, v in record.items() if k != prompt_key}}
+                                           for _, record in records]
+        n_val = max(1, int(len(ids) * val_fraction))
+        if len(ids) - n_val < 1:
+            raise UsageError(f"{file} has {len(ids)} prompts: too few to train and validate")
+        self.train = Prompts(ids[:-n_val])
+        self.val = Prompts(ids[-n_val:], first_index=len(ids) - n_val)
+        self.collate_fn = collate_prompts
+
+    @model_size
+    def vocab_size(self) -> int:
+        return self.codec.vocab_size

@@ -1,0 +1,249 @@
+"""Group relative policy optimisation (`objective=grpo` with `data=prompts`): reinforcement learning from a reward
+function, on completions the model being trained writes itself (DeepSeekMath's GRPO, as TRL's GRPOTrainer computes
+it with its num_iterations=1 and beta=0 defaults).
+
+Each step, for every prompt of the batch the model writes `num_generations` completions; the reward function scores
+them; a completion's advantage is its reward less the mean of its prompt's group (divided by the group's standard
+deviation, `scale_rewards`), and the loss raises the log-probability of the completions that did better than their
+group and lowers the others':
+
+    per completion:  -(1/|o|) sum_t exp(logp_t - sg(logp_t)) A      loss_type=grpo: a mean over its tokens
+                     -(1/L)   sum_t ...                             loss_type=dr_grpo: L = max_completion_tokens for
+                                                                    all (Dr. GRPO: no bias towards short answers)
+
+and the step's loss is the mean over the completions of the global batch. The model takes one update per batch of
+completions (num_iterations=1), so the importance ratio exp(logp - sg(logp)) is 1 in value and needs no clipping;
+its gradient is the policy gradient. No KL term to a reference model (TRL's default beta=0, after DAPO and Dr. GRPO).
+
+Exact, as everything here: a prompt's completions are drawn from a random stream seeded by (objective.seed, the
+step, the prompt's number) alone, so the same prompt gets the same completions on any number of processes and
+micro-batches, a resumed run draws what the run it continues would have drawn, and training's own random state
+(dropout, data order) is left untouched. The loss is a sum over completions divided by the global batch's count of
+them (src/loop/accumulation.py).
+
+Generation, without gradients or dropout, in the run's precision, one prompt's group at a time (its rows share the
+prompt, so none is padded): our GPT writes a token at a time over its whole context (no KV cache; every rank makes
+the same number of forward passes, which FSDP's gathers need); a transformers model uses its generate and its cache
+(`synced_gpus` under FSDP). A completion ends at the tokenizer's end-of-text token, which it is trained to write,
+or after max_completion_tokens. Generation is a step's slow part: TRL and OpenRLHF hand it to vLLM for large models;
+here it stays in the training process (one copy of the weights, nothing to synchronise), which suits small models.
+
+The reward function (`objective.reward`, a dotted path) has TRL's signature: reward(prompts, completions,
+**columns) -> one float per completion. `prompts` are the rows' prompts as the file writes them (strings or message
+lists), each repeated for its group; `completions` the texts written (the end-of-text token left out); `columns`
+the rows' other columns, lists aligned with the completions. src/objectives/rewards.py has examples.
+
+Training reports TRL's numbers: train/reward, train/reward_std (the groups' mean standard deviation: zero means
+nothing to learn from), train/completion_length, train/clipped_ratio (completions cut at max_completion_tokens).
+Evaluation writes eval_generations completions per validation prompt from a stream seeded without the step, and
+reports eval/reward (the default trainer.monitor, higher better), eval/completion_length, eval/clipped_ratio.
+"""
+
+import logging
+import math
+from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optional
+
+import torch
+
+from src.data.base import IGNORE_INDEX
+from src.errors import UsageError
+from src.loop.batches import call_model
+from src.objectives.base import Objective, PerSample
+from src.objectives.preference import next_token_logps
+from src.objectives.reference import evaluating
+from src.schema.signature import Arg
+
+log = logging.getLogger(__name__)
+
+METRICS = ("reward", "reward_std", "completion_length", "clipped_ratio")
+EVALUATION = 1 << 40  # the "step" that seeds evaluation's completions: never a training step
+
+
+def seed_of(seed: int, step: int, prompt: int) -> int:
+    """The random seed of one prompt's completions at one step (a fixed mix of the three, never the layout)."""
+    return ((seed * 1_000_003 + step) * 1_000_003 + prompt) % (1 << 63)
+
+
+def reward_function(path: str) -> Callable:
+    from hydra.utils import get_method
+
+    try:
+        return get_method(path)
+    except Exception as error:  # hydra wraps what it could not import in its own error
+        raise UsageError(f"objective.reward={path}: not a function that can be imported ({error}); give a dotted "
+                         "path, module.function, e.g. src.objectives.rewards.final_number") from None
+
+
+class GRPO(Objective):
+    metric_names: ClassVar[tuple[str, ...]] = ("reward", "completion_length", "clipped_ratio")
+    default_monitor: ClassVar[tuple[str, str]] = ("eval/reward", "max")  # no eval/loss: the loss means nothing here
+    trains_on_prompts: ClassVar[bool] = True  # checked against data=prompts before the run starts
+    loss_spikes_matter: ClassVar[bool] = False  # the loss is about 0 in value: trainer.spike_factor watches nothing
+
+    def __init__(self,
+                 reward: Annotated[str, Arg("the reward function, a dotted path: f(prompts, completions, **columns) "
+                                            "-> a float per completion (src/objectives/rewards.py)")
+                                   ] = "src.objectives.rewards.final_number",
+                 num_generations: Annotated[int, Arg("completions per prompt: the group its advantages are "
+                                                     "relative to", ge=2)] = 8,
+                 max_completion_tokens: Annotated[int, Arg("longest completion in tokens", ge=1)] = 32,
+                 temperature: Annotated[float, Arg("sampling temperature", gt=0)] = 1.0,
+                 top_k: Annotated[Optional[int], Arg("sample from the k likeliest tokens only (null: all)", ge=1)
+                                  ] = None,
+                 loss_type: Annotated[Literal["grpo", "dr_grpo"], Arg(
+                     "grpo: each completion's loss a mean over its tokens; dr_grpo: a sum over max_completion_tokens "
+                     "(Dr. GRPO, no length bias)")] = "grpo",
+                 scale_rewards: Annotated[bool, Arg("divide each advantage by its group's reward standard deviation "
+                                                    "(false: Dr. GRPO's unscaled advantages)")] = True,
+                 eval_generations: Annotated[Optional[int], Arg("completions per validation prompt (null: "
+                                                                "num_generations)", ge=1)] = None,
+                 seed: Annotated[int, Arg("seeds the completions (with the step and the prompt's number)")] = 0,
+                 target_key: Annotated[str, Arg("the batch key numbering the prompts")] = "prompt_index"):
+        super().__init__(target_key=target_key)
+        self.reward_name, self.reward = reward, reward_function(reward)
+        self.num_generations, self.max_completion_tokens = num_generations, max_completion_tokens
+        self.temperature, self.top_k, self.loss_type, self.scale_rewards = temperature, top_k, loss_type, scale_rewards
+        self.eval_generations, self.seed = eval_generations or num_generations, seed
+        self.step = 0  # the optimizer step being taken (before_step)
+        self._sums: Optional[torch.Tensor] = None  # METRICS summed over the completions trained on since last read
+        self._cropped_logged = False
+
+    # The loop's hooks ----------------------------------------------------------------------------------------------
+
+    def start(self, accelerator, model, data, run_dir, checkpoint) -> None:
+        if not hasattr(data, "rows"):
+            raise UsageError("objective=grpo writes completions to prompts: use data=prompts")
+        self.accelerator, self.rows, self.codec = accelerator, data.rows, data.codec
+        self.block_size = data.block_size
+        if self.max_completion_tokens >= self.block_size:
+            raise UsageError(f"objective.max_completion_tokens={self.max_completion_tokens} leaves no room for a "
+                             f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
+        self._sums = torch.zeros(len(METRICS), device=accelerator.device)
+
+    def before_step(self, step: int) -> None:
+        self.step = step
+
+    def check_batch(self, inputs: Mapping, targets: torch.Tensor) -> None:
+        if not isinstance(inputs, Mapping) or "prompt_tokens" not in inputs:
+            raise UsageError("objective=grpo writes completions to prompts: use data=prompts")
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        return torch.tensor(targets.numel() * self.num_generations)
+
+    def with_reference(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict:
+        """The batch's completions, written and scored: training's at this step, evaluation's at none."""
+        training = model.training
+        group = self.num_generations if training else self.eval_generations
+        rollout = self.rollout(model, inputs, targets, self.step if training else EVALUATION, group)
+        if training:
+            self._sums += torch.stack([rollout["rewards"].sum(), rollout["group_std"].sum() * group,
+                                       rollout["lengths"].sum(), rollout["clipped"].sum()])
+        return rollout
+
+    def model_loss_sum(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
+        logits = call_model(model, {k: inputs[k] for k in ("input_ids", "attention_mask")})
+        token_logps = next_token_logps(logits, inputs)
+        counted = inputs["labels"][:, 1:] != IGNORE_INDEX
+        ratio = torch.exp(token_logps - token_logps.detach())  # 1, with the policy gradient's gradient
+        per_token = -ratio * inputs["advantages"][:, None] * counted
+        tokens = counted.sum(-1).clamp(min=1) if self.loss_type == "grpo" else self.max_completion_tokens
+        return (per_token.sum(-1) / tokens).sum()
+
+    def model_metrics(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict[str, PerSample]:
+        per_prompt = len(targets)
+        weight = torch.full((per_prompt,), float(self.eval_generations), device=targets.device)
+        return {name: (inputs[key].view(per_prompt, -1).sum(-1), weight)
+                for name, key in (("reward", "rewards"), ("completion_length", "lengths"),
+                                  ("clipped_ratio", "clipped"))}
+
+    def training_metrics(self) -> dict[str, torch.Tensor]:
+        if self._sums is None:
+            return {}
+        sums, self._sums = self._sums, torch.zeros_like(self._sums)
+        return dict(zip(METRICS, sums))
+
+    # Completions ---------------------------------------------------------------------------------------------------
+
+    def rollout(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor, step: int, group: int) -> dict:
+        """Each prompt's `group` completions (seeded by step and prompt), their rewards and advantages, as rows of
+        prompt then completion padded on the right, labelled on the completion's tokens only."""
+        inner = self.accelerator.unwrap_model(model, keep_torch_compile=False)
+        device, end = inputs["input_ids"].device, self.codec.end_of_text
+        prompts, completions = [], []  # token ids per row
+        with evaluating(inner), self.accelerator.autocast():
+            for ids, length, index in zip(inputs["input_ids"], inputs["prompt_tokens"].tolist(), targets.tolist()):
+                prompt = self._cropped(ids[:length])
+                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                    torch.manual_seed(seed_of(self.seed, step, index))
+                    written = self._generate(inner, prompt.expand(group, -1))
+                for row in written[:, prompt.shape[1]:].tolist():
+                    cut = row.index(end) + 1 if end is not None and end in row else len(row)  # the end token kept
+                    prompts.append(prompt[0].tolist())
+                    completions.append(row[:cut])
+        rewards = self._rewards(targets.tolist(), completions, group).to(device)
+        batch = self._rows(prompts, completions, device)
+        grouped = rewards.view(-1, group)
+        std = grouped.std(-1, keepdim=True)
+        advantages = grouped - grouped.mean(-1, keepdim=True)
+        if self.scale_rewards:
+            advantages = advantages / (std + 1e-4)
+        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=device)
+        clipped = torch.tensor([float(not c or c[-1] != end) for c in completions], device=device)
+        return {**batch, "advantages": advantages.reshape(-1), "rewards": rewards, "group_std": std.reshape(-1),
+                "lengths": lengths, "clipped": clipped}
+
+    def _cropped(self, prompt: torch.Tensor) -> torch.Tensor:
+        """The prompt's last tokens that leave room for a whole completion in the model's context."""
+        room = self.block_size - self.max_completion_tokens
+        if len(prompt) > room and not self._cropped_logged:
+            log.warning("objective=grpo: a prompt of %d tokens keeps its last %d, so that a completion of "
+                        "objective.max_completion_tokens=%d fits data.block_size=%d (logged once)", len(prompt),
+                        room, self.max_completion_tokens, self.block_size)
+            self._cropped_logged = True
+        return prompt[-room:].unsqueeze(0)
+
+    def _generate(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """(G, P) prompt rows -> (G, P + n) with n <= max_completion_tokens sampled tokens (torch's global RNG)."""
+        if hasattr(model, "generation_config"):  # transformers: its generate, with its KV cache
+            from src.checkpointing.training_state import sharded
+
+            end = self.codec.end_of_text
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                  max_new_tokens=self.max_completion_tokens, temperature=self.temperature,
+                                  top_k=self.top_k or 0, top_p=1.0, eos_token_id=end,
+                                  pad_token_id=end if end is not None else 0,
+                                  synced_gpus=sharded(self.accelerator))
+        for _ in range(self.max_completion_tokens):  # every row the same number of steps: a rank's passes match
+            logits = call_model(model, ids)[:, -1].float() / self.temperature
+            if self.top_k is not None:
+                kth = torch.topk(logits, min(self.top_k, logits.shape[-1])).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, -math.inf)
+            ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+        return ids
+
+    def _rewards(self, indices: list[int], completions: list[list[int]], group: int) -> torch.Tensor:
+        """The reward function's score of each completion, called once for the batch."""
+        end = self.codec.end_of_text
+        rows = [self.rows[i] for i in indices for _ in range(group)]
+        texts = [self.codec.decode(c[:-1] if c and c[-1] == end else c) for c in completions]
+        columns: dict[str, list[Any]] = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
+        scores = self.reward(prompts=[row["prompt"] for row in rows], completions=texts, **columns)
+        try:
+            scores = [float(s) for s in scores]
+        except (TypeError, ValueError):
+            scores = None
+        if scores is None or len(scores) != len(texts) or not all(math.isfinite(s) for s in scores):
+            raise UsageError(f"objective.reward={self.reward_name} must return one finite number per completion "
+                             f"({len(texts)} here); it returned {str(scores)[:200]}")
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def _rows(self, prompts: list[list[int]], completions: list[list[int]], device) -> dict[str, torch.Tensor]:
+        width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask, labels = torch.zeros_like(ids), torch.full_like(ids, IGNORE_INDEX)
+        for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+            p, n = len(prompt), len(prompt) + len(completion)
+            ids[row, :n] = torch.tensor(prompt + completion)
+            mask[row, :n] = 1
+            labels[row, p:n] = torch.tensor(completion, dtype=torch.long)
+        return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}

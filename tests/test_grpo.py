@@ -1,0 +1,217 @@
+"""objective=grpo on data=prompts: online reinforcement learning from a reward function. Completions drawn from a
+stream of (seed, step, prompt) alone, so exact on any layout and bitwise on resume; each scored against its
+prompt's group; ended by the end-of-text token, which is trained; a model trained from scratch learns the reward."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.errors import UsageError
+from tests.conftest import QUIET, exported_weights, kill_when, max_abs_diff, named, refused, run, scalars
+from tests.test_config import compose_train
+
+GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.dropout=0.0"]
+LETTERS = "tests.grpo_rewards.letter_share"
+
+
+def letter_prompts(path: Path, n: int = 64) -> Path:
+    """Prompts asking for one of three letters, with the letter beside each (the reward's column)."""
+    letters = "abc"
+    path.write_text("".join(json.dumps({"prompt": f"write {letters[i % 3]}:", "letter": letters[i % 3]}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def grpo_args(prompts: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [*GPT, "data=prompts", f"data.path={prompts}", "objective=grpo", f"objective.reward={LETTERS}",
+            "objective.max_completion_tokens=8", "scheduler=constant", "optimizer.lr=1e-2", *extra,
+            f"hydra.run.dir={run_dir}"]
+
+
+class Data:
+    """What the objective reads of data=prompts, for in-process tests."""
+
+    def __init__(self, prompts: list[str], end_of_text=None, block_size: int = 32):
+        from src.data.tokenizer import Codec
+
+        self.codec = Codec("byte", end_of_text=end_of_text)
+        self.rows = [{"prompt": p, "letter": "a"} for p in prompts]
+        self.block_size = block_size
+
+
+def objective_and_model(data: Data, **options):
+    from accelerate import Accelerator
+
+    from src.models.gpt import GPT as Model
+    from src.objectives.grpo import GRPO
+
+    torch.manual_seed(0)
+    model = Model(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    objective = GRPO(reward=LETTERS, **{"num_generations": 4, "max_completion_tokens": 6, **options})
+    objective.start(Accelerator(cpu=True), model, data, None, None)
+    return objective, model
+
+
+def prompt_batch(data: Data, indices: list[int]) -> tuple[dict, torch.Tensor]:
+    from src.data.prompts import collate_prompts
+
+    samples = [{"input_ids": torch.tensor(data.codec.encode(data.rows[i]["prompt"])), "prompt_index": torch.tensor(i)}
+               for i in indices]
+    batch = collate_prompts(samples)
+    return {k: v for k, v in batch.items() if k != "prompt_index"}, batch["prompt_index"]
+
+
+def completions(rollout: dict) -> list[list[int]]:
+    return [ids[labels != -100].tolist() for ids, labels in zip(rollout["input_ids"], rollout["labels"])]
+
+
+def test_a_prompts_completions_are_drawn_from_its_number_and_the_step_alone_and_scored_against_its_group():
+    """The same prompt at the same step gets the same completions alone or beside another prompt (so any layout
+    draws the same), other ones at another step; training's random state is left as it was; each group's
+    advantages are its rewards less their mean, over their standard deviation."""
+    data = Data(["write a:", "hello there, write a:"])
+    objective, model = objective_and_model(data)
+    both = prompt_batch(data, [0, 1])
+    objective.before_step(3)
+    state = torch.get_rng_state()
+    together = objective.with_reference(model, *both)
+    assert torch.equal(torch.get_rng_state(), state)
+    alone = objective.with_reference(model, *prompt_batch(data, [1]))
+    assert completions(together)[4:] == completions(alone)
+    assert completions(together)[:4] != completions(together)[4:]
+    objective.before_step(4)
+    assert completions(objective.with_reference(model, *prompt_batch(data, [1]))) != completions(alone)
+
+    rewards = together["rewards"].view(2, 4)
+    expected = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+    torch.testing.assert_close(together["advantages"], expected.reshape(-1))
+    prompt = data.codec.encode("hello there, write a:")
+    assert all(row[:len(prompt)].tolist() == prompt for row in together["input_ids"][4:])
+
+
+def test_the_loss_is_the_policy_gradient_of_each_completions_mean_token_log_probability():
+    """Its value is minus the mean advantage; its gradient that of -A x (the completion's log-probability over its
+    tokens: grpo; over max_completion_tokens: dr_grpo), summed over completions."""
+    from src.objectives.preference import next_token_logps
+
+    data = Data(["write a:", "write b:"])
+    for loss_type in ("grpo", "dr_grpo"):
+        objective, model = objective_and_model(data, loss_type=loss_type)
+        rollout = objective.with_reference(model, *prompt_batch(data, [0, 1]))
+        rollout["advantages"] = torch.linspace(-1, 1, 8)  # any advantages: the gradient must follow them
+        loss = objective.model_loss_sum(model, rollout, None)
+        torch.testing.assert_close(loss, -rollout["advantages"].sum())
+        grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+        counted = rollout["labels"][:, 1:] != -100
+        logps = (next_token_logps(model(rollout["input_ids"]), rollout) * counted).sum(-1)
+        tokens = counted.sum(-1) if loss_type == "grpo" else 6
+        expected = torch.autograd.grad(-(rollout["advantages"] * logps / tokens).sum(), list(model.parameters()),
+                                       allow_unused=True)
+        for got, want in zip(grads, expected):
+            if want is not None:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_completion_ends_at_the_end_of_text_token_which_is_trained_and_not_shown_to_the_reward():
+    """Newline as the end-of-text token: a completion keeps its tokens up to the first one, that one labelled
+    too; none after it; it is not clipped; the reward function reads its text without the end."""
+    seen = []
+    end = ord("\n")
+    data = Data(["write a:"] * 2, end_of_text=end)
+    objective, gpt = objective_and_model(data, max_completion_tokens=12, num_generations=16)
+
+    class WritesTheEndOften(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, input_ids, attention_mask=None):
+            return self.gpt(input_ids) + 3.0 * torch.nn.functional.one_hot(torch.tensor(end), 256)
+
+    model = WritesTheEndOften()
+    objective.reward = lambda prompts, completions, **columns: seen.extend(completions) or [0.0] * len(completions)
+    rollout = objective.with_reference(model, *prompt_batch(data, [0, 1]))
+    written = completions(rollout)
+    ended = [c for c in written if end in c]
+    assert ended and len(ended) < len(written)
+    for c, text, clipped in zip(written, seen, rollout["clipped"].tolist()):
+        assert c.count(end) <= 1 and (end not in c or c[-1] == end)
+        assert clipped == (end not in c) and (len(c) == 12 or not clipped)
+        assert text == data.codec.decode(c[:-1] if end in c else c) and not text.endswith("\n")
+    assert rollout["lengths"].tolist() == [len(c) for c in written]
+
+
+def test_final_number_rewards_the_answers_number_on_the_completions_first_line():
+    from src.objectives.rewards import final_number
+
+    completions = ["72", " 72\nmore 3", "7", "so 70 + 2 = 72 ", "none", "#### 72"]
+    assert final_number([""] * 6, completions, answer=["... #### 72"] * 6) == [1, 1, 0, 1, 0, 1]
+
+
+def test_grpo_teaches_a_model_from_scratch_to_write_what_the_reward_asks(tmp_path):
+    """The reward is the share of the completion that is the letter its prompt names: a random model scores about
+    1/256; after 200 steps most of what it writes is the letter asked for."""
+    run_dir = tmp_path / "letters"
+    log = run(grpo_args(letter_prompts(tmp_path / "letters.jsonl"), run_dir, "objective.num_generations=16",
+                        "data.batch_size=4", "trainer.max_steps=200", "trainer.eval_every=100", "trainer.log_every=20",
+                        "trainer.eval_on_start=true")).stdout
+    assert "spiked" not in log  # a loss of about 0 is no loss to watch
+    reward = scalars(run_dir, "eval/reward")
+    assert reward[0] < 0.05 and reward[200] > 0.3, reward
+    assert scalars(run_dir, "train/reward_std")[20] > 0 and scalars(run_dir, "train/clipped_ratio")[200] == 1
+
+
+def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resumes_bitwise(tmp_path):
+    """2 processes of 2 prompts train the weights (1e-5) and log the rewards of 1 process accumulating 2 micro-
+    batches; a run killed after a checkpoint resumes to the same rewards and weights, bitwise."""
+    prompts = letter_prompts(tmp_path / "letters.jsonl")
+    common = [*QUIET, "data.batch_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3"]
+    one, two, killed = (tmp_path / name for name in ("one", "two", "killed"))
+    run(grpo_args(prompts, one, *common, "trainer.gradient_accumulation_steps=2"))
+    run(grpo_args(prompts, two, *common), nproc=2)
+    assert scalars(two, "train/reward") == pytest.approx(scalars(one, "train/reward"), abs=1e-6)
+    assert max(scalars(one, "train/reward_std").values()) > 0  # something to learn from
+    assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
+
+    kill_when(grpo_args(prompts, killed, *common, "trainer.gradient_accumulation_steps=2"), 1,
+              ready=lambda: (killed / "checkpoints" / "step_00000003").is_dir())
+    run(grpo_args(prompts, killed, *common, "trainer.gradient_accumulation_steps=2", "resume=auto"))
+    assert scalars(killed, "train/reward") == scalars(one, "train/reward")
+    assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
+
+
+@pytest.mark.parametrize("overrides, named_keys", [
+    (["data=prompts", "objective=causal_lm"], ["data=prompts", "objective=grpo"]),
+    (["objective=grpo", "data=jsonl"], ["objective=grpo", "data=prompts"]),
+])
+def test_prompts_and_grpo_come_together(overrides, named_keys):
+    from src.schema.complete import complete_config
+
+    with pytest.raises(UsageError) as error:
+        complete_config(compose_train(overrides))
+    named(str(error.value), *named_keys)
+
+
+def test_grpo_picks_its_best_checkpoint_by_eval_reward_unless_told_otherwise():
+    from src.schema.complete import complete_config
+
+    cfg = complete_config(compose_train(["data=prompts", "objective=grpo"]))
+    assert (cfg.trainer.monitor, cfg.trainer.monitor_mode) == ("eval/reward", "max")
+    cfg = complete_config(compose_train(["data=prompts", "objective=grpo", "trainer.monitor=null"]))
+    assert cfg.trainer.monitor is None
+
+
+@pytest.mark.parametrize("override, named_keys", [
+    ("objective.reward=no_such_module.reward", ["objective.reward=no_such_module.reward", "dotted path"]),
+    ("objective.reward=tests.grpo_rewards.too_few", ["objective.reward=tests.grpo_rewards.too_few",
+                                                     "one finite number per completion"]),
+    ("objective.max_completion_tokens=32", ["objective.max_completion_tokens=32", "data.block_size=32"]),
+])
+def test_a_reward_that_cannot_be_called_or_answers_wrong_and_a_completion_without_room_are_refused(
+        override, named_keys, tmp_path):
+    proc = run(grpo_args(letter_prompts(tmp_path / "letters.jsonl"), tmp_path / "run", *QUIET, "trainer.max_steps=2",
+                         override), check=False)
+    refused(proc, *named_keys)
+    assert not (tmp_path / "run" / "model").exists()
