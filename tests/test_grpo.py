@@ -24,8 +24,8 @@ def letter_prompts(path: Path, n: int = 64) -> Path:
     return path
 
 
-def grpo_args(prompts: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [*GPT, "data=prompts", f"data.path={prompts}", "objective=grpo", f"objective.reward={LETTERS}",
+def grpo_args(prompts: Path, run_dir: Path, *extra: str, model: tuple[str, ...] = tuple(GPT)) -> list[str]:
+    return [*model, "data=prompts", f"data.path={prompts}", "objective=grpo", f"objective.reward={LETTERS}",
             "objective.max_completion_tokens=8", "scheduler=constant", "optimizer.lr=1e-2", *extra,
             f"hydra.run.dir={run_dir}"]
 
@@ -215,3 +215,60 @@ def test_a_reward_that_cannot_be_called_or_answers_wrong_and_a_completion_withou
                          override), check=False)
     refused(proc, *named_keys)
     assert not (tmp_path / "run" / "model").exists()
+
+
+@pytest.mark.slow  # four launches, two of them FSDP2 over gloo, ~60 s
+def test_a_transformers_model_writes_with_its_generate_and_trains_the_same_under_fsdp_as_on_one_process(
+        tmp_path, pretrained):
+    """A pretrained GPT-2 writes through transformers' generate, ending completions at its <|endoftext|>; 2 FSDP2
+    processes (generate's synced_gpus: a rank whose completions all ended still joins the others' passes) train
+    the weights and log the rewards of 1 process accumulating 2; with a LoRA adapter too. (GPT-2's key biases
+    aside: tests/test_preference.py's without_key_biases says why.)"""
+    from tests.conftest import FSDP_ON_CPU
+    from tests.test_preference import LORA, without_key_biases
+
+    prompts = letter_prompts(tmp_path / "letters.jsonl")
+    # A hot temperature makes the model, which never saw <|endoftext|> in training, write it now and then.
+    common = [*QUIET, "data.batch_size=2", "trainer.max_steps=3", "objective.max_completion_tokens=30",
+              "objective.temperature=20", "optimizer.lr=1e-3"]
+    model = ("model=hf_causal_lm", f"model.pretrained={pretrained}")
+    for name, extra in (("full", []), ("lora", [LORA])):
+        one, sharded = tmp_path / f"{name}_one", tmp_path / f"{name}_fsdp"
+        run(grpo_args(prompts, one, *common, *extra, "trainer.gradient_accumulation_steps=2", model=model))
+        run(grpo_args(prompts, sharded, *common, *extra, model=model), nproc=2, **FSDP_ON_CPU)
+        assert scalars(sharded, "train/reward") == pytest.approx(scalars(one, "train/reward"), abs=1e-6), name
+        assert min(scalars(one, "train/clipped_ratio").values()) < 1, "no completion ended at <|endoftext|>"
+        assert max_abs_diff(without_key_biases(sharded), without_key_biases(one)) <= 1e-5, name
+
+
+def test_a_transformers_model_writes_with_its_kv_cache_what_it_writes_reading_its_whole_context(pretrained):
+    """The cached path (a transformers model) samples the same tokens as re-reading the whole context each time,
+    rows that wrote <|endoftext|> among them."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from src.data.tokenizer import codec_for
+    from src.objectives.grpo import GRPO
+
+    class Uncached(torch.nn.Module):  # no generation_config: the objective re-reads the whole context
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            return self.model(input_ids=input_ids).logits
+
+    model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    data = Data(["x"])
+    data.codec, data.block_size = codec_for(str(pretrained)), 64
+    objective = GRPO(reward=LETTERS, max_completion_tokens=40, temperature=20.0)
+    objective.start(Accelerator(cpu=True), model, data, None, None)
+    prompt = torch.tensor([data.codec.encode("write a:")] * 8)
+    written = []
+    for generator in (model, Uncached(model)):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            written.append(objective._generate(generator, prompt))
+    assert torch.equal(written[0], written[1][:, :written[0].shape[1]])
+    end = data.codec.end_of_text
+    assert (written[0][:, prompt.shape[1]:] == end).any(), "no row ended: nothing shows the stop"

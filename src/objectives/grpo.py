@@ -22,10 +22,10 @@ micro-batches, a resumed run draws what the run it continues would have drawn, a
 them (src/loop/accumulation.py).
 
 Generation, without gradients or dropout, in the run's precision, one prompt's group at a time (its rows share the
-prompt, so none is padded): our GPT writes a token at a time over its whole context (no KV cache; every rank makes
-the same number of forward passes, which FSDP's gathers need); a transformers model uses its generate and its cache
-(`synced_gpus` under FSDP). A completion ends at the tokenizer's end-of-text token, which it is trained to write,
-or after max_completion_tokens. Generation is a step's slow part: TRL and OpenRLHF hand it to vLLM for large models;
+prompt, so none is padded), through the prepared model's forward (under FSDP, the root's, which gathers the
+weights): a transformers model with its KV cache, our GPT over its whole context. A completion ends at the
+tokenizer's end-of-text token, which it is trained to write, or after max_completion_tokens; under FSDP every rank
+writes max_completion_tokens (each pass is a collective), and what follows an end is dropped. Generation is a step's slow part: TRL and OpenRLHF hand it to vLLM for large models;
 here it stays in the training process (one copy of the weights, nothing to synchronise), which suits small models.
 
 The reward function (`objective.reward`, a dotted path) has TRL's signature: reward(prompts, completions,
@@ -47,6 +47,7 @@ import torch
 
 from src.data.base import IGNORE_INDEX
 from src.errors import UsageError
+from src.checkpointing.training_state import sharded
 from src.loop.batches import call_model
 from src.objectives.base import Objective, PerSample
 from src.objectives.preference import next_token_logps
@@ -102,7 +103,8 @@ class GRPO(Objective):
         super().__init__(target_key=target_key)
         self.reward_name, self.reward = reward, reward_function(reward)
         self.num_generations, self.max_completion_tokens = num_generations, max_completion_tokens
-        self.temperature, self.top_k, self.loss_type, self.scale_rewards = temperature, top_k, loss_type, scale_rewards
+        # float: transformers refuses an int (objective.temperature=2 arrives as one)
+        self.temperature, self.top_k, self.loss_type, self.scale_rewards = float(temperature), top_k, loss_type, scale_rewards
         self.eval_generations, self.seed = eval_generations or num_generations, seed
         self.step = 0  # the optimizer step being taken (before_step)
         self._sums: Optional[torch.Tensor] = None  # METRICS summed over the completions trained on since last read
@@ -119,6 +121,7 @@ class GRPO(Objective):
             raise UsageError(f"objective.max_completion_tokens={self.max_completion_tokens} leaves no room for a "
                              f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
         self._sums = torch.zeros(len(METRICS), device=accelerator.device)
+        self.sharded = sharded(accelerator)
 
     def before_step(self, step: int) -> None:
         self.step = step
@@ -203,22 +206,32 @@ class GRPO(Objective):
         return prompt[-room:].unsqueeze(0)
 
     def _generate(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        """(G, P) prompt rows -> (G, P + n) with n <= max_completion_tokens sampled tokens (torch's global RNG)."""
-        if hasattr(model, "generation_config"):  # transformers: its generate, with its KV cache
-            from src.checkpointing.training_state import sharded
+        """(G, P) prompt rows -> (G, P + n) with n <= max_completion_tokens sampled tokens (torch's global RNG).
 
-            end = self.codec.end_of_text
-            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                  max_new_tokens=self.max_completion_tokens, temperature=self.temperature,
-                                  top_k=self.top_k or 0, top_p=1.0, eos_token_id=end,
-                                  pad_token_id=end if end is not None else 0,
-                                  synced_gpus=sharded(self.accelerator))
-        for _ in range(self.max_completion_tokens):  # every row the same number of steps: a rank's passes match
-            logits = call_model(model, ids)[:, -1].float() / self.temperature
+        Not transformers' generate: it would apply a pretrained generation_config's processors (a repetition
+        penalty, top_p) that objective.* does not name, and under FSDP with a LoRA adapter it bypasses the root
+        module whose forward gathers the weights. A transformers model (or peft's wrapper of one) is called with
+        its KV cache; ours reads its whole context each time. Sampling stops once every row has written the end
+        token, except under FSDP, where every rank must make the same number of passes."""
+        end = self.codec.end_of_text
+        cached, cache, context = hasattr(model, "generation_config"), None, ids
+        ended = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+        for _ in range(self.max_completion_tokens):
+            if cached:
+                output = model(input_ids=context, past_key_values=cache, use_cache=True)
+                logits, cache = output.logits[:, -1], output.past_key_values
+            else:
+                logits = call_model(model, ids)[:, -1]
+            logits = logits.float() / self.temperature
             if self.top_k is not None:
                 kth = torch.topk(logits, min(self.top_k, logits.shape[-1])).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, -math.inf)
-            ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1)], dim=1)
+            context = torch.multinomial(logits.softmax(-1), 1)
+            ids = torch.cat([ids, context], dim=1)
+            if end is not None and not self.sharded:
+                ended |= context[:, 0] == end
+                if ended.all():  # a host read per token, as transformers' generate makes
+                    break
         return ids
 
     def _rewards(self, indices: list[int], completions: list[list[int]], group: int) -> torch.Tensor:
