@@ -22,11 +22,12 @@ micro-batches, a resumed run draws what the run it continues would have drawn, a
 them (src/loop/accumulation.py).
 
 Generation, without gradients or dropout, in the run's precision, one prompt's group at a time (its rows share the
-prompt, so none is padded), through the prepared model's forward (under FSDP, the root's, which gathers the
+prompt, so none is padded), through the model's own forward (under FSDP the root module's, which gathers the
 weights): a transformers model with its KV cache, our GPT over its whole context. A completion ends at the
 tokenizer's end-of-text token, which it is trained to write, or after max_completion_tokens; under FSDP every rank
-writes max_completion_tokens (each pass is a collective), and what follows an end is dropped. Generation is a step's slow part: TRL and OpenRLHF hand it to vLLM for large models;
-here it stays in the training process (one copy of the weights, nothing to synchronise), which suits small models.
+writes max_completion_tokens (each pass is a collective), and what follows an end is dropped. Generation is a
+step's slow part: TRL and OpenRLHF hand it to vLLM for large models; here it stays in the training process (one copy
+of the weights, nothing to synchronise), which suits small models.
 
 The reward function (`objective.reward`, a dotted path) has TRL's signature: reward(prompts, completions,
 **columns) -> one float per completion. `prompts` are the rows' prompts as the file writes them (strings or message
@@ -45,9 +46,9 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optiona
 
 import torch
 
+from src.checkpointing.training_state import sharded
 from src.data.base import IGNORE_INDEX
 from src.errors import UsageError
-from src.checkpointing.training_state import sharded
 from src.loop.batches import call_model
 from src.objectives.base import Objective, PerSample
 from src.objectives.preference import next_token_logps
@@ -103,8 +104,8 @@ class GRPO(Objective):
         super().__init__(target_key=target_key)
         self.reward_name, self.reward = reward, reward_function(reward)
         self.num_generations, self.max_completion_tokens = num_generations, max_completion_tokens
-        # float: transformers refuses an int (objective.temperature=2 arrives as one)
-        self.temperature, self.top_k, self.loss_type, self.scale_rewards = float(temperature), top_k, loss_type, scale_rewards
+        self.temperature, self.top_k, self.loss_type = float(temperature), top_k, loss_type
+        self.scale_rewards = scale_rewards
         self.eval_generations, self.seed = eval_generations or num_generations, seed
         self.step = 0  # the optimizer step being taken (before_step)
         self._sums: Optional[torch.Tensor] = None  # METRICS summed over the completions trained on since last read
