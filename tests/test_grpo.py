@@ -272,3 +272,63 @@ def test_a_transformers_model_writes_with_its_kv_cache_what_it_writes_reading_it
     assert torch.equal(written[0], written[1][:, :written[0].shape[1]])
     end = data.codec.end_of_text
     assert (written[0][:, prompt.shape[1]:] == end).any(), "no row ended: nothing shows the stop"
+
+
+def test_a_reward_model_scores_each_completion_at_its_last_token_as_objective_reward_trained_it():
+    """objective.reward_model: a row's reward is the model's value after the whole prompt and completion (the end
+    token where written), as the row alone gives it, added to the reward function's."""
+    from src.models.gpt import GPT as Model
+
+    end = ord("\n")
+    data = Data(["write a:", "a longer prompt, write a:"], end_of_text=end)
+    objective, model = objective_and_model(data, max_completion_tokens=10)
+    torch.manual_seed(1)
+    objective.reward_model = Model(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=16, head="reward").eval()
+    with torch.no_grad():
+        model.lm_head.weight[end] *= 4  # some completions end early
+        rollout = objective.with_reference(model, *prompt_batch(data, [0, 1]))
+        alone = [objective.reward_model(ids[mask.bool()][None])[0, -1, 0]
+                 for ids, mask in zip(rollout["input_ids"], rollout["attention_mask"])]
+    function = torch.tensor([sum(ch == "a" for ch in data.codec.decode(c[:-1] if c[-1:] == [end] else c))
+                             / max(len(c) - (c[-1:] == [end]), 1) for c in completions(rollout)])
+    torch.testing.assert_close(rollout["rewards"], torch.stack(alone) + function, rtol=1e-5, atol=1e-6)
+    assert len(set(rollout["attention_mask"].sum(-1).tolist())) > 1  # rows of several lengths
+
+
+def test_grpo_raises_the_score_of_a_reward_model_trained_by_objective_reward(tmp_path):
+    """A reward model trained on pairs whose chosen answers hold more a's, then GRPO from scratch against it alone:
+    its score of the completions rises from below zero to that of the chosen answers. A language model's export,
+    or a reward model of other token ids, is refused as a reward model."""
+    pairs, prompts = tmp_path / "pairs.jsonl", tmp_path / "write.jsonl"
+    rng = __import__("random").Random(0)
+    pairs.write_text("".join(json.dumps({
+        "prompt": "write:", "chosen": "".join(rng.choice("aaabcdefg") for _ in range(8)),
+        "rejected": "".join(rng.choice("bcdefgh") for _ in range(8))}) + "\n" for _ in range(200)))
+    prompts.write_text((json.dumps({"prompt": "write:"}) + "\n") * 64)
+    rm, policy = tmp_path / "rm", tmp_path / "policy"
+    run([*GPT, "data=jsonl", f"data.path={pairs}", "data.preference=true", "objective=reward", "model.head=reward",
+         "optimizer.lr=3e-3", "trainer.max_steps=60", "data.batch_size=8", "trainer.monitor=null", *QUIET,
+         f"hydra.run.dir={rm}"])
+    against = ["objective.reward=null", f"objective.reward_model={rm / 'model'}"]
+    run(grpo_args(prompts, policy, *against, "trainer.max_steps=100", "data.batch_size=4", "trainer.eval_every=50",
+                  "trainer.eval_on_start=true", "trainer.log_every=25"))
+    reward = scalars(policy, "eval/reward")
+    assert reward[0] < 0 < 1 < reward[100], reward
+
+    lm = run(grpo_args(prompts, tmp_path / "lm", "objective.reward=null",
+                       f"objective.reward_model={policy / 'model'}", *QUIET), check=False)
+    refused(lm, f"objective.reward_model={policy / 'model'}", "not a reward model", "objective=reward")
+    chars = run(grpo_args(prompts, tmp_path / "chars", *against, "data.tokenizer=char", *QUIET), check=False)
+    refused(chars, f"objective.reward_model={rm / 'model'}", "bytes")
+
+
+def test_grpo_without_any_reward_or_with_a_reward_missing_a_column_is_refused(tmp_path):
+    from src.objectives.grpo import GRPO
+
+    with pytest.raises(UsageError) as error:
+        GRPO(reward=None)
+    named(str(error.value), "objective.reward", "objective.reward_model")
+    prompts = tmp_path / "write.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "write:", "wanted": "a"}) + "\n" for _ in range(16)))
+    proc = run(grpo_args(prompts, tmp_path / "run", *QUIET, "trainer.max_steps=1", "data.batch_size=2"), check=False)
+    refused(proc, f"objective.reward={LETTERS}", "letter", "wanted")

@@ -42,11 +42,13 @@ reports eval/reward (the default trainer.monitor, higher better), eval/completio
 
 import logging
 import math
+from pathlib import Path
 from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optional
 
 import torch
 
 from src.checkpointing.training_state import sharded
+from src.data.tokenizer import check_same_ids
 from src.data.base import IGNORE_INDEX
 from src.errors import UsageError
 from src.loop.batches import call_model
@@ -83,9 +85,13 @@ class GRPO(Objective):
     loss_spikes_matter: ClassVar[bool] = False  # the loss is about 0 in value: trainer.spike_factor watches nothing
 
     def __init__(self,
-                 reward: Annotated[str, Arg("the reward function, a dotted path: f(prompts, completions, **columns) "
-                                            "-> a float per completion (src/objectives/rewards.py)")
-                                   ] = "src.objectives.rewards.final_number",
+                 reward: Annotated[Optional[str], Arg(
+                     "the reward function, a dotted path: f(prompts, completions, **columns) -> a float per "
+                     "completion (src/objectives/rewards.py; null: reward_model's alone)")
+                 ] = "src.objectives.rewards.final_number",
+                 reward_model: Annotated[Optional[str], Arg(
+                     "an export of objective=reward (RUN/model) whose value at a completion's last token is its "
+                     "reward, added to the function's; it must read the data's token ids (null: none)")] = None,
                  num_generations: Annotated[int, Arg("completions per prompt: the group its advantages are "
                                                      "relative to", ge=2)] = 8,
                  max_completion_tokens: Annotated[int, Arg("longest completion in tokens", ge=1)] = 32,
@@ -102,7 +108,11 @@ class GRPO(Objective):
                  seed: Annotated[int, Arg("seeds the completions (with the step and the prompt's number)")] = 0,
                  target_key: Annotated[str, Arg("the batch key numbering the prompts")] = "prompt_index"):
         super().__init__(target_key=target_key)
-        self.reward_name, self.reward = reward, reward_function(reward)
+        if reward is None and reward_model is None:
+            raise UsageError("objective=grpo needs a reward: objective.reward (a function) or objective.reward_model "
+                             "(an export of objective=reward), or both")
+        self.reward_name, self.reward = reward, reward_function(reward) if reward is not None else None
+        self.reward_model_path, self.reward_model = reward_model, None  # read by start()
         self.num_generations, self.max_completion_tokens = num_generations, max_completion_tokens
         self.temperature, self.top_k, self.loss_type = float(temperature), top_k, loss_type
         self.scale_rewards = scale_rewards
@@ -123,6 +133,25 @@ class GRPO(Objective):
                              f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
         self._sums = torch.zeros(len(METRICS), device=accelerator.device)
         self.sharded = sharded(accelerator)
+        if self.reward_model_path is not None:
+            self.reward_model = self._load_reward_model(Path(self.reward_model_path), accelerator.device)
+
+    def _load_reward_model(self, folder: Path, device: torch.device) -> torch.nn.Module:
+        """The reward model whole on each process, frozen: one that fits there (a small one, as in RLHF's recipes
+        of this size)."""
+        from src.checkpointing.export import load_exported_model
+
+        key = f"objective.reward_model={folder}"
+        if not folder.is_dir():
+            raise UsageError(f"{key}: no such folder; give the export of an objective=reward run (RUN/model)")
+        check_same_ids(key, folder, self.codec, "the reward model reads", "Train the reward model on data tokenized "
+                       "as this run's, or tokenize the prompts as it did (data.tokenizer=its folder)")
+        model = load_exported_model(folder, device)
+        output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
+        if output_layer.out_features != 1:
+            raise UsageError(f"{key}: not a reward model (its output layer gives {output_layer.out_features} values "
+                             "per position, a reward model's one): give the export of an objective=reward run")
+        return model.requires_grad_(False).eval()
 
     def before_step(self, step: int) -> None:
         self.step = step
@@ -184,8 +213,10 @@ class GRPO(Objective):
                     cut = row.index(end) + 1 if end is not None and end in row else len(row)  # the end token kept
                     prompts.append(prompt[0].tolist())
                     completions.append(row[:cut])
-        rewards = self._rewards(targets.tolist(), completions, group).to(device)
         batch = self._rows(prompts, completions, device)
+        rewards = self._rewards(targets.tolist(), completions, group).to(device)
+        if self.reward_model is not None:
+            rewards = rewards + self._scored(batch)
         grouped = rewards.view(-1, group)
         std = grouped.std(-1, keepdim=True)
         advantages = grouped - grouped.mean(-1, keepdim=True)
@@ -235,13 +266,27 @@ class GRPO(Objective):
                     break
         return ids
 
+    def _scored(self, batch: dict) -> torch.Tensor:
+        """The reward model's value at each row's last token, the end-of-text token where the completion wrote it
+        (where objective=reward reads an answer's reward), in fp32."""
+        with torch.no_grad(), self.accelerator.autocast():
+            values = call_model(self.reward_model, {k: batch[k] for k in ("input_ids", "attention_mask")})
+        last = batch["attention_mask"].sum(-1) - 1
+        return values[..., 0].float().gather(1, last[:, None])[:, 0]
+
     def _rewards(self, indices: list[int], completions: list[list[int]], group: int) -> torch.Tensor:
-        """The reward function's score of each completion, called once for the batch."""
+        """The reward function's score of each completion, called once for the batch (0 without one)."""
+        if self.reward is None:
+            return torch.zeros(len(completions))
         end = self.codec.end_of_text
         rows = [self.rows[i] for i in indices for _ in range(group)]
         texts = [self.codec.decode(c[:-1] if c and c[-1] == end else c) for c in completions]
         columns: dict[str, list[Any]] = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
-        scores = self.reward(prompts=[row["prompt"] for row in rows], completions=texts, **columns)
+        try:
+            scores = self.reward(prompts=[row["prompt"] for row in rows], completions=texts, **columns)
+        except TypeError as error:  # most often a column the function takes that the data has not
+            raise UsageError(f"objective.reward={self.reward_name}: {error}; it is called with prompts, completions "
+                             f"and the data's columns: {', '.join(sorted(columns)) or 'none'}") from None
         try:
             scores = [float(s) for s in scores]
         except (TypeError, ValueError):
