@@ -48,8 +48,8 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optiona
 import torch
 
 from src.checkpointing.training_state import sharded
-from src.data.tokenizer import check_same_ids
 from src.data.base import IGNORE_INDEX
+from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
 from src.loop.batches import call_model
 from src.objectives.base import Objective, PerSample
