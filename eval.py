@@ -59,6 +59,8 @@ def main(cfg: DictConfig) -> None:
         objective.reference = reference_for_evaluation(accelerator, run_cfg, source, objective)
     if getattr(objective, "teacher_path", None):  # objective=distill: the teacher the run distilled from
         objective.load_teacher(accelerator, data, accelerator.unwrap_model(model))
+    if getattr(objective, "trains_on_prompts", False):  # objective=grpo: the prompts' rows, the reward model
+        objective.start(accelerator, model, data, None, None)
     forward = Forward(objective, compile=False)
     metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, forward).items()}
     if accelerator.is_main_process:

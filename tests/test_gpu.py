@@ -197,3 +197,20 @@ def test_a_student_distils_from_its_teacher_under_bf16_autocast_and_compile_on_c
         whole, in_chunks = scalars(small, name)[step], scalars(chunked, name)[step]
         assert abs(in_chunks - whole) <= 2e-2 * abs(whole) + 1e-3, (name, whole, in_chunks)
     assert scalars(chunked, "eval/kl")[12] < 0.5 * scalars(chunked, "eval/kl")[0]
+
+
+def test_grpo_on_cuda_draws_its_completions_from_the_seeded_cuda_stream_and_resumes_bitwise(tmp_path):
+    """bf16 autocast, the completions sampled on the GPU from a forked CUDA random stream seeded by (seed, step,
+    prompt): a run stopped after 2 steps and resumed logs the rewards and ends at the weights of the run that was
+    not (CPU: tests/test_grpo.py)."""
+    from tests.test_grpo import grpo_args, letter_prompts
+
+    prompts = letter_prompts(tmp_path / "letters.jsonl")
+    args = [*QUIET, "trainer.mixed_precision=bf16", "data.batch_size=4", "trainer.checkpoint_every=2",
+            "trainer.monitor=null"]
+    gpu_run(grpo_args(prompts, tmp_path / "whole", *args, "trainer.max_steps=4"))
+    gpu_run(grpo_args(prompts, tmp_path / "resumed", *args, "trainer.max_steps=2"))
+    proc = gpu_run(grpo_args(prompts, tmp_path / "resumed", *args, "trainer.max_steps=4", "resume=auto"))
+    assert "device                      : cuda" in proc.stdout
+    assert scalars(tmp_path / "whole", "train/reward") == scalars(tmp_path / "resumed", "train/reward")
+    assert max_abs_diff(exported_weights(tmp_path / "whole"), exported_weights(tmp_path / "resumed")) == 0

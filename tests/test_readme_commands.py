@@ -57,6 +57,8 @@ RUN = [
      {"data/cifar-10-batches-bin": "{cifar}"}, []),
     ("accelerate launch train.py experiment=cifar10_resnet data.root=data/cifar10_shards", {},
      [*STEPS, "data.batch_size=8"]),
+    ("accelerate launch train.py data=prompts objective=grpo", {}, [*TINY, *STEPS, "objective.max_completion_tokens=4",
+                                                                   "objective.num_generations=2", "data.batch_size=2"]),
     ("accelerate launch train.py data=stream data.path=data/shakespeare_speeches.jsonl trainer.max_steps=100", {},
      [*TINY, *STEPS]),
     ("python scripts/prepare_data.py HuggingFaceFW/fineweb-edu data/fineweb_edu --subset sample-10BT --tokenizer gpt2 "
@@ -140,7 +142,7 @@ RUN_ON_SLURM = [
 ELIDED = "a command cut short (...) or a placeholder: the commands it stands for are run above"
 IN_PROSE = "a command or flag named in a sentence, not a command to type; what it refers to runs above"
 WALKTHROUGH_FILE = "the bring-your-own walkthrough's file: tests/test_readme_example.py writes and runs it verbatim"
-PREFERENCE_WALKTHROUGH = ("the preference-tuning walkthrough (SFT, then DPO and a reward model): "
+PREFERENCE_WALKTHROUGH = ("the preference-tuning walkthrough (SFT, then DPO, a reward model and GRPO against it): "
                           "tests/test_readme_example.py follows it verbatim")
 NOT_RUN = {
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt -r requirements-extras.txt "
@@ -234,6 +236,12 @@ NOT_RUN = {
     "optimizer.lr=1e-3 trainer.max_steps=40 trainer.eval_every=20 trainer.monitor=eval/rewards/accuracies "
     "trainer.monitor_mode=max hydra.run.dir=outputs/reward": PREFERENCE_WALKTHROUGH,
     "python eval.py path=outputs/reward/model": PREFERENCE_WALKTHROUGH,
+    "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/sft/model model.block_size=128 "
+    "data=prompts data.path=data/shakespeare_pairs.jsonl objective=grpo objective.reward=null "
+    "objective.reward_model=outputs/reward/model objective.max_completion_tokens=48 data.batch_size=8 "
+    "optimizer.lr=1e-3 trainer.max_steps=40 trainer.eval_every=20 trainer.eval_on_start=true trainer.eval_batches=4 "
+    "hydra.run.dir=outputs/grpo": PREFERENCE_WALKTHROUGH,
+    "python eval.py path=outputs/grpo/model eval_batches=4": PREFERENCE_WALKTHROUGH,
     "python scripts/prepare_data.py data/shakespeare_pairs.jsonl data/pairs_shards --preference --tokenizer "
     "outputs/sft/model --workers 2 --val-fraction 0.1": PREFERENCE_WALKTHROUGH,
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/sft/model model.block_size=128 "

@@ -103,7 +103,8 @@ def test_readme_preference_walkthrough_tunes_the_tiny_model_then_aligns_it_with_
         tmp_path):
     """The fine-tuning walkthrough's tiny folder, tuned on the chosen answers, then DPO on a LoRA adapter whose base
     is the reference: at step 0 every validation pair is a tie, then the margins grow at each evaluation and the
-    reward accuracy rises; eval.py scores the export as the run's last evaluation did."""
+    reward accuracy rises; eval.py scores the export as the run's last evaluation did. Then a reward model, and
+    GRPO against it."""
     (_, finetune), = blocks("finetune-run")
     (_, commands), = blocks("preference-run")
     repo = copy_of_repo(tmp_path / "repo")
@@ -142,3 +143,14 @@ def test_readme_preference_walkthrough_tunes_the_tiny_model_then_aligns_it_with_
         "GPT2ForSequenceClassification"]
     scored = json.loads((reward / "model" / "eval_metrics.json").read_text())
     assert scored["eval/rewards/accuracies"] == pytest.approx(accuracy[40], abs=1e-5)
+    # GRPO from the SFT model against that reward model alone: its score of the completions rises; eval.py draws
+    # the run's evaluation completions again and scores them as the run's last evaluation did.
+    (_, grpo_commands), = blocks("grpo-run")
+    for command in grpo_commands.strip().splitlines():
+        proc = shell(command, repo)
+        assert proc.returncode == 0, f"{command}\n{proc.stdout[-3000:]}"
+    grpo = repo / "outputs" / "grpo"
+    reward = scalars(grpo, "eval/reward")
+    assert sorted(reward) == [0, 20, 40] and reward[0] < reward[20] < reward[40], reward
+    scored = json.loads((grpo / "model" / "eval_metrics.json").read_text())
+    assert scored["eval/reward"] == pytest.approx(reward[40], abs=1e-5)
