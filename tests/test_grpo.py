@@ -332,3 +332,25 @@ def test_grpo_without_any_reward_or_with_a_reward_missing_a_column_is_refused(tm
     prompts.write_text("".join(json.dumps({"prompt": "write:", "wanted": "a"}) + "\n" for _ in range(16)))
     proc = run(grpo_args(prompts, tmp_path / "run", *QUIET, "trainer.max_steps=1", "data.batch_size=2"), check=False)
     refused(proc, f"objective.reward={LETTERS}", "letter", "wanted")
+
+
+def test_prompts_come_from_any_dataset_data_hf_dataset_reads_with_their_columns_for_the_reward(tmp_path):
+    """A folder of Parquet splits, as GSM8K's: the question column prompts, the test split validates, every row's
+    other columns reach the reward by the prompt's number; a prompt column the data lacks is refused naming the
+    columns it has."""
+    pd = pytest.importorskip("pandas")
+    from src.data.prompts import PromptsData
+
+    folder = tmp_path / "gsm"
+    folder.mkdir()
+    for split, n in (("train", 12), ("test", 3)):
+        pd.DataFrame([{"question": f"{split} {i}: 2+{i}=", "answer": f"... #### {2 + i}"} for i in range(n)]
+                     ).to_parquet(folder / f"{split}.parquet")
+    data = PromptsData(block_size=32, path=str(folder), prompt_key="question", val_split="test")
+    assert (len(data.train), len(data.val)) == (12, 3)
+    first_val = data.val[0]
+    assert data.rows[int(first_val["prompt_index"])] == {"prompt": "test 0: 2+0=", "answer": "... #### 2"}
+    assert data.codec.decode(first_val["input_ids"].tolist()) == "test 0: 2+0="
+    with pytest.raises(UsageError) as error:
+        PromptsData(block_size=32, path=str(folder), prompt_key="prompt", val_split="test")
+    named(str(error.value), "'prompt'", "data.prompt_key", "answer", "question")

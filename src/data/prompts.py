@@ -1,6 +1,7 @@
 """Prompts for online training (`data=prompts`, for objective=grpo): the model writes the completions itself.
 
-Each line of a JSON Lines file holds a prompt under `prompt_key` (a string, or a conversation: a list of {role,
+Each line of a JSON Lines file (or each row of anything data=hf_dataset reads: Parquet, CSV, a folder, a hub dataset
+such as openai/gsm8k) holds a prompt under `prompt_key` (a string, or a conversation: a list of {role,
 content} messages that the tokenizer's chat template renders, ending with its cue for the assistant's turn) and any
 other columns, which the reward function receives beside the prompts and completions (TRL's GRPOTrainer passes a
 dataset's columns the same way: a GSM8K row's `answer`). A prompt is tokenized as `data=jsonl` tokenizes one
@@ -63,9 +64,16 @@ class PromptsData(DataModule):
     def __init__(
         self,
         block_size: Annotated[int, Arg("the model's context: a prompt and its completion together", ge=2)],
-        path: Annotated[str, Arg("JSON Lines file, one prompt per line with the reward's columns beside it")
-                        ] = "data/arithmetic_prompts.jsonl",
-        prompt_key: Annotated[str, Arg("the key of each line's prompt (a string or a list of messages)")] = "prompt",
+        path: Annotated[str, Arg("a JSON Lines file, one prompt per line with the reward's columns beside it; or, "
+                                 "through `datasets`, a Parquet / CSV file, a folder, a save_to_disk folder or a hub "
+                                 "dataset id (as data=hf_dataset reads them)")] = "data/arithmetic_prompts.jsonl",
+        prompt_key: Annotated[str, Arg("the key (column) of each row's prompt: a string or a list of messages")
+                              ] = "prompt",
+        split: Annotated[str, Arg("through datasets: the split whose prompts train")] = "train",
+        val_split: Annotated[Optional[str], Arg("through datasets: a split that validates (null: the last "
+                                                "val_fraction of split)")] = None,
+        subset: Annotated[Optional[str], Arg("through datasets: the subset of a folder or hub dataset that has "
+                                             "several (e.g. gsm8k's main)")] = None,
         tokenizer: Annotated[Optional[str], Arg("byte, char (vocabulary from the file's strings), a tokenizers JSON "
                                                 "file, or a from_pretrained folder or hub id holding one (null: byte)")
                              ] = "byte",
@@ -74,13 +82,17 @@ class PromptsData(DataModule):
         **loader,
     ):
         super().__init__(**loader)
-        file = readable_file(path, "data.path")
-        self.source_files = {file.name: file}
         self.block_size = block_size
-        records = list(_records(file))
+        if path.endswith(".jsonl"):  # read here: no `datasets` needed
+            file = readable_file(path, "data.path")
+            self.source_files = {file.name: file}
+            records, n_val = list(_records(file)), None
+        else:
+            records, n_val = self._read_with_datasets(path, split, val_split, subset)
+        where = path if n_val is not None else file
         for number, record in records:
             if prompt_key not in record:
-                raise UsageError(f"{file}:{number}: no {prompt_key!r} key (data.prompt_key); keys: {sorted(record)}")
+                raise UsageError(f"{where}:{number}: no {prompt_key!r} key (data.prompt_key); keys: {sorted(record)}")
         strings = [value for _, record in records for value in record.values() if isinstance(value, str)]
         self.codec = codec_for(tokenizer, strings, revision=tokenizer_revision)
         ids = []
@@ -92,12 +104,29 @@ class PromptsData(DataModule):
         self.rows: list[dict[str, Any]] = [{"prompt": record[prompt_key],
                                             **{k: v for k, v in record.items() if k != prompt_key}}
                                            for _, record in records]
-        n_val = max(1, int(len(ids) * val_fraction))
+        n_val = n_val or max(1, int(len(ids) * val_fraction))
         if len(ids) - n_val < 1:
-            raise UsageError(f"{file} has {len(ids)} prompts: too few to train and validate")
+            raise UsageError(f"data.path={path} has {len(ids)} prompts: too few to train and validate")
         self.train = Prompts(ids[:-n_val])
         self.val = Prompts(ids[-n_val:], first_index=len(ids) - n_val)
         self.collate_fn = collate_prompts
+
+    def _read_with_datasets(self, path: str, split: str, val_split: Optional[str], subset: Optional[str]
+                            ) -> tuple[list[tuple[int, dict]], Optional[int]]:
+        """(row number, row) of the training split then the validation split, and how many validate (None: the
+        last val_fraction of the training split). Prompt sets are small: their rows are read whole."""
+        from accelerate import PartialState
+
+        from src.data.hf_dataset import _load, _source_files
+        from src.launch.first_per_machine import local_main_first
+        from src.models.hub import dataset_path
+
+        with local_main_first():  # a hub id: fetched into the Hugging Face cache by each machine's first process
+            source = dataset_path(path, subset, refresh=PartialState().is_local_main_process)
+            splits = _load(source, path, split, val_split, subset)
+        self.source_files = _source_files(source)
+        rows = splits[split].to_list() + (splits[val_split].to_list() if val_split else [])
+        return list(enumerate(rows, start=1)), len(splits[val_split]) if val_split else None
 
     @model_size
     def vocab_size(self) -> int:
