@@ -222,8 +222,9 @@ def test_a_transformers_model_writes_with_its_generate_and_trains_the_same_under
         tmp_path, pretrained):
     """A pretrained GPT-2 writes through transformers' generate, ending completions at its <|endoftext|>; 2 FSDP2
     processes (generate's synced_gpus: a rank whose completions all ended still joins the others' passes) train
-    the weights and log the rewards of 1 process accumulating 2; with a LoRA adapter too. (GPT-2's key biases
-    aside: tests/test_preference.py's without_key_biases says why.)"""
+    the weights and log the rewards of 1 process accumulating 2; with a LoRA adapter too, and objective.beta
+    against its base, the adapter off. (GPT-2's key biases aside: tests/test_preference.py's without_key_biases
+    says why.) Without an adapter a reference copy is refused under FSDP."""
     from tests.conftest import FSDP_ON_CPU
     from tests.test_preference import LORA, without_key_biases
 
@@ -232,13 +233,19 @@ def test_a_transformers_model_writes_with_its_generate_and_trains_the_same_under
     common = [*QUIET, "data.batch_size=2", "trainer.max_steps=3", "objective.max_completion_tokens=30",
               "objective.temperature=20", "optimizer.lr=1e-3"]
     model = ("model=hf_causal_lm", f"model.pretrained={pretrained}")
-    for name, extra in (("full", []), ("lora", [LORA])):
+    for name, extra in (("full", []), ("lora", [LORA, "objective.beta=0.1"])):  # LoRA: its base is the reference
         one, sharded = tmp_path / f"{name}_one", tmp_path / f"{name}_fsdp"
         run(grpo_args(prompts, one, *common, *extra, "trainer.gradient_accumulation_steps=2", model=model))
         run(grpo_args(prompts, sharded, *common, *extra, model=model), nproc=2, **FSDP_ON_CPU)
         assert scalars(sharded, "train/reward") == pytest.approx(scalars(one, "train/reward"), abs=1e-6), name
         assert min(scalars(one, "train/clipped_ratio").values()) < 1, "no completion ended at <|endoftext|>"
         assert max_abs_diff(without_key_biases(sharded), without_key_biases(one)) <= 1e-5, name
+    assert scalars(sharded, "train/kl") == pytest.approx(scalars(one, "train/kl"), abs=1e-6)
+    assert scalars(one, "train/kl")[1] == 0 < scalars(one, "train/kl")[3]
+    proc = run(grpo_args(prompts, tmp_path / "copy", *common, "objective.beta=0.1", model=model), nproc=2,
+               check=False, **FSDP_ON_CPU)
+    assert proc.returncode != 0 and "step 1/" not in proc.stdout
+    named(proc.stdout, "objective.reference=copy", "FSDP", "model.peft")
 
 
 def test_a_transformers_model_writes_with_its_kv_cache_what_it_writes_reading_its_whole_context(pretrained):
@@ -354,3 +361,52 @@ def test_prompts_come_from_any_dataset_data_hf_dataset_reads_with_their_columns_
     with pytest.raises(UsageError) as error:
         PromptsData(block_size=32, path=str(folder), prompt_key="prompt", val_split="test")
     named(str(error.value), "'prompt'", "data.prompt_key", "answer", "question")
+
+
+def test_beta_adds_each_tokens_kl_divergence_from_the_starting_weights_zero_until_the_policy_moves():
+    """objective.beta: at the starting weights the frozen copy is the policy, so the loss and its gradient are
+    beta=0's; once the policy has moved, each completion's loss adds beta x its tokens' mean k3 divergence
+    exp(r) - r - 1 (r = reference - policy log-probability), which train/kl reports per completion."""
+    import copy
+
+    from src.objectives.preference import next_token_logps
+
+    data = Data(["write a:", "write b:"])
+    objective, model = objective_and_model(data, beta=0.5)
+    plain, _ = objective_and_model(data)
+    starting = copy.deepcopy(model)
+    batch = prompt_batch(data, [0, 1])
+    rollout = objective.with_reference(model, *batch)
+    rollout["advantages"] = torch.linspace(-1, 1, 8)
+    loss = objective.model_loss_sum(model, rollout, None)
+    torch.testing.assert_close(loss, -rollout["advantages"].sum())
+    grads = torch.autograd.grad(loss, [model.tok_emb.weight])[0]
+    unrolled = {k: v for k, v in rollout.items() if k != "reference_logps"}
+    torch.testing.assert_close(grads, torch.autograd.grad(plain.model_loss_sum(model, unrolled, None),
+                                                          [model.tok_emb.weight])[0])
+    assert objective.training_metrics()["kl"] == 0
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    rollout = objective.with_reference(model, *batch)
+    counted = rollout["labels"][:, 1:] != -100
+    policy = next_token_logps(model(rollout["input_ids"]), rollout)
+    r = next_token_logps(starting(rollout["input_ids"]), rollout) - policy
+    kl = ((torch.exp(r) - r - 1) * counted).sum(-1) / counted.sum(-1)
+    loss = objective.model_loss_sum(model, rollout, None)
+    expected = (((-torch.exp(policy - policy.detach()) * rollout["advantages"][:, None]) * counted).sum(-1)
+                / counted.sum(-1) + 0.5 * kl).sum()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(torch.autograd.grad(loss, [model.tok_emb.weight])[0],
+                               torch.autograd.grad(expected, [model.tok_emb.weight])[0])
+    assert kl.min() > 0
+    torch.testing.assert_close(objective.training_metrics()["kl"], kl.sum().detach())
+
+
+def test_beta_trains_against_the_starting_weights_logging_train_kl(tmp_path):
+    run_dir = tmp_path / "kl"
+    run(grpo_args(letter_prompts(tmp_path / "letters.jsonl"), run_dir, *QUIET, "objective.beta=0.1",
+                  "data.batch_size=4", "trainer.max_steps=4"))
+    kl = scalars(run_dir, "train/kl")
+    assert kl[1] == 0 and 0 < kl[2] < kl[4], kl

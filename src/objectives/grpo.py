@@ -1,6 +1,6 @@
 """Group relative policy optimisation (`objective=grpo` with `data=prompts`): reinforcement learning from a reward
 function, on completions the model being trained writes itself (DeepSeekMath's GRPO, as TRL's GRPOTrainer computes
-it with its num_iterations=1 and beta=0 defaults).
+it with its defaults: num_iterations=1, beta=0).
 
 Each step, for every prompt of the batch the model writes `num_generations` completions; the reward function scores
 them; a completion's advantage is its reward less the mean of its prompt's group (divided by the group's standard
@@ -13,7 +13,10 @@ group and lowers the others':
 
 and the step's loss is the mean over the completions of the global batch. The model takes one update per batch of
 completions (num_iterations=1), so the importance ratio exp(logp - sg(logp)) is 1 in value and needs no clipping;
-its gradient is the policy gradient. No KL term to a reference model (TRL's default beta=0, after DAPO and Dr. GRPO).
+its gradient is the policy gradient. With objective.beta > 0 each token's loss adds beta x its KL divergence from a
+reference model (TRL's k3 estimate: exp(r) - r - 1, r the reference's log-probability less the policy's): the LoRA
+base with the adapter off, or a frozen copy of the starting weights. The default is none (TRL's beta=0, after DAPO
+and Dr. GRPO).
 
 Exact, as everything here: a prompt's completions are drawn from a random stream seeded by (objective.seed, the
 step, the prompt's number) alone, so the same prompt gets the same completions on any number of processes and
@@ -40,12 +43,14 @@ Evaluation writes eval_generations completions per validation prompt from a stre
 reports eval/reward (the default trainer.monitor, higher better), eval/completion_length, eval/clipped_ratio.
 """
 
+import copy
 import logging
 import math
 from pathlib import Path
 from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optional
 
 import torch
+import torch.nn.functional as F
 
 from src.checkpointing.training_state import sharded
 from src.data.base import IGNORE_INDEX
@@ -59,7 +64,8 @@ from src.schema.signature import Arg
 
 log = logging.getLogger(__name__)
 
-METRICS = ("reward", "reward_std", "completion_length", "clipped_ratio")
+METRICS = ("reward", "reward_std", "completion_length", "clipped_ratio")  # and kl, with objective.beta
+MODEL_INPUTS = ("input_ids", "attention_mask")
 EVALUATION = 1 << 40  # the "step" that seeds evaluation's completions: never a training step
 
 
@@ -105,6 +111,11 @@ class GRPO(Objective):
                                                     "(false: Dr. GRPO's unscaled advantages)")] = True,
                  eval_generations: Annotated[Optional[int], Arg("completions per validation prompt (null: "
                                                                 "num_generations)", ge=1)] = None,
+                 beta: Annotated[float, Arg("weight of the per-token KL divergence from the reference model in the "
+                                            "loss (TRL's beta, k3 estimator; 0: none and no reference)", ge=0)] = 0.0,
+                 reference: Annotated[Literal["auto", "adapter", "copy"], Arg(
+                     "with beta > 0, the reference: adapter (the LoRA adapter switched off), copy (a frozen copy of "
+                     "the starting weights; not under FSDP); auto: adapter with a LoRA adapter, else copy")] = "auto",
                  seed: Annotated[int, Arg("seeds the completions (with the step and the prompt's number)")] = 0,
                  target_key: Annotated[str, Arg("the batch key numbering the prompts")] = "prompt_index"):
         super().__init__(target_key=target_key)
@@ -117,6 +128,8 @@ class GRPO(Objective):
         self.temperature, self.top_k, self.loss_type = float(temperature), top_k, loss_type
         self.scale_rewards = scale_rewards
         self.eval_generations, self.seed = eval_generations or num_generations, seed
+        self.beta, self.reference_kind, self.reference = beta, reference, None  # the reference: start()
+        self.trained_metrics = METRICS + (("kl",) if beta else ())
         self.step = 0  # the optimizer step being taken (before_step)
         self._sums: Optional[torch.Tensor] = None  # METRICS summed over the completions trained on since last read
         self._cropped_logged = False
@@ -131,10 +144,40 @@ class GRPO(Objective):
         if self.max_completion_tokens >= self.block_size:
             raise UsageError(f"objective.max_completion_tokens={self.max_completion_tokens} leaves no room for a "
                              f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
-        self._sums = torch.zeros(len(METRICS), device=accelerator.device)
+        self._sums = torch.zeros(len(self.trained_metrics), device=accelerator.device)
         self.sharded = sharded(accelerator)
         if self.reward_model_path is not None:
             self.reward_model = self._load_reward_model(Path(self.reward_model_path), accelerator.device)
+        if self.beta:
+            self.reference = self._reference(accelerator, model)
+
+    def _reference(self, accelerator, model: torch.nn.Module) -> Callable:
+        """What gives the reference's per-token log-probabilities of a batch of completions: the model with its
+        adapter off, or a frozen copy of its starting weights (start() runs before a resume loads its checkpoint, so
+        a resumed run's reference is the fresh run's). DPO's references (src/objectives/reference.py), per token."""
+        inner = accelerator.unwrap_model(model)
+        has_adapter = hasattr(inner, "disable_adapter") and hasattr(inner, "peft_config")
+        kind = ("adapter" if has_adapter else "copy") if self.reference_kind == "auto" else self.reference_kind
+        if accelerator.is_main_process:
+            log.info("objective.beta=%g: the KL divergence from objective.reference=%s", self.beta, kind)
+        if kind == "adapter":
+            if not has_adapter:
+                raise UsageError("objective.reference=adapter needs a model with a LoRA adapter (model.peft): its "
+                                 "base, with the adapter switched off, is the reference; use objective.reference=copy")
+
+            def adapter_off(batch: Mapping) -> torch.Tensor:
+                with evaluating(model), getattr(model, "module", model).disable_adapter():
+                    return next_token_logps(call_model(model, batch), batch)
+            return adapter_off
+        if self.sharded:
+            raise UsageError("objective.reference=copy under FSDP would hold the whole model on every rank: train a "
+                             "LoRA adapter (model.peft), whose base is the reference, or set objective.beta=0")
+        frozen = copy.deepcopy(inner).requires_grad_(False).eval()
+
+        def starting_weights(batch: Mapping) -> torch.Tensor:
+            with torch.no_grad(), accelerator.autocast():  # the policy's precision; the copy was not prepared
+                return next_token_logps(call_model(frozen, batch), batch)
+        return starting_weights
 
     def _load_reward_model(self, folder: Path, device: torch.device) -> torch.nn.Module:
         """The reward model whole on each process, frozen: one that fits there (a small one, as in RLHF's recipes
@@ -169,18 +212,26 @@ class GRPO(Objective):
         group = self.num_generations if training else self.eval_generations
         rollout = self.rollout(model, inputs, targets, self.step if training else EVALUATION, group)
         if training:
-            self._sums += torch.stack([rollout["rewards"].sum(), rollout["group_std"].sum() * group,
-                                       rollout["lengths"].sum(), rollout["clipped"].sum()])
+            self._sums[:len(METRICS)] += torch.stack([rollout["rewards"].sum(), rollout["group_std"].sum() * group,
+                                                      rollout["lengths"].sum(), rollout["clipped"].sum()])
+            if self.reference is not None:
+                rollout["reference_logps"] = self.reference({k: rollout[k] for k in MODEL_INPUTS})
         return rollout
 
     def model_loss_sum(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
-        logits = call_model(model, {k: inputs[k] for k in ("input_ids", "attention_mask")})
+        logits = call_model(model, {k: inputs[k] for k in MODEL_INPUTS})
         token_logps = next_token_logps(logits, inputs)
         counted = inputs["labels"][:, 1:] != IGNORE_INDEX
         ratio = torch.exp(token_logps - token_logps.detach())  # 1, with the policy gradient's gradient
-        per_token = -ratio * inputs["advantages"][:, None] * counted
+        per_token = -ratio * inputs["advantages"][:, None]
+        if "reference_logps" in inputs:  # k3 (Schulman): exp(r) - r - 1 >= 0, r = log(reference / policy)
+            log_ratio = inputs["reference_logps"] - token_logps
+            kl = torch.exp(log_ratio) - log_ratio - 1
+            per_token = per_token + self.beta * kl
+            mean_kl = (kl * counted).sum(-1) / counted.sum(-1).clamp(min=1)
+            self._sums = self._sums + F.pad(mean_kl.detach().sum().reshape(1), (len(METRICS), 0))
         tokens = counted.sum(-1).clamp(min=1) if self.loss_type == "grpo" else self.max_completion_tokens
-        return (per_token.sum(-1) / tokens).sum()
+        return ((per_token * counted).sum(-1) / tokens).sum()
 
     def model_metrics(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict[str, PerSample]:
         per_prompt = len(targets)
@@ -193,7 +244,7 @@ class GRPO(Objective):
         if self._sums is None:
             return {}
         sums, self._sums = self._sums, torch.zeros_like(self._sums)
-        return dict(zip(METRICS, sums))
+        return dict(zip(self.trained_metrics, sums))
 
     # Completions ---------------------------------------------------------------------------------------------------
 
@@ -270,7 +321,7 @@ class GRPO(Objective):
         """The reward model's value at each row's last token, the end-of-text token where the completion wrote it
         (where objective=reward reads an answer's reward), in fp32."""
         with torch.no_grad(), self.accelerator.autocast():
-            values = call_model(self.reward_model, {k: batch[k] for k in ("input_ids", "attention_mask")})
+            values = call_model(self.reward_model, {k: batch[k] for k in MODEL_INPUTS})
         last = batch["attention_mask"].sum(-1) - 1
         return values[..., 0].float().gather(1, last[:, None])[:, 0]
 
