@@ -11,6 +11,7 @@ import torch
 from src.errors import UsageError
 from tests.conftest import QUIET, exported_weights, kill_when, max_abs_diff, named, refused, run, scalars
 from tests.test_config import compose_train
+from tests.test_preference import chat_model  # noqa: F401  (a fixture)
 
 GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.dropout=0.0"]
 LETTERS = "tests.grpo_rewards.letter_share"
@@ -410,3 +411,21 @@ def test_beta_trains_against_the_starting_weights_logging_train_kl(tmp_path):
                   "data.batch_size=4", "trainer.max_steps=4"))
     kl = scalars(run_dir, "train/kl")
     assert kl[1] == 0 and 0 < kl[2] < kl[4], kl
+
+
+@pytest.mark.parametrize("form", ["string", "conversation"])
+def test_a_prompt_is_the_tokens_sft_conditioned_on_so_grpo_continues_where_sft_answered(form, chat_model, tmp_path):
+    """data=prompts tokenizes a prompt as data=jsonl's prompted sample starts (its tokens labelled -100): a string
+    with the tokenizer's special tokens, a conversation through the chat template up to the assistant's cue."""
+    from src.data.jsonl import prompted
+    from src.data.prompts import PromptsData
+
+    prompt = ("ROMEO: speak." if form == "string" else
+              [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ROMEO: speak."}])
+    completion = " I will." if form == "string" else [{"role": "assistant", "content": "I will."}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text((json.dumps({"prompt": prompt}) + "\n") * 4)
+    data = PromptsData(block_size=64, path=str(path), tokenizer=str(chat_model))
+    ids, labels = prompted(data.codec, prompt, completion)
+    conditioned = ids[:labels.index(next(label for label in labels if label != -100))]
+    assert data.train[0]["input_ids"].tolist() == conditioned

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from src.data.base import DataModule, model_size, readable_file
-from src.data.jsonl import _records, chat_texts
+from src.data.jsonl import _records
 from src.data.tokenizer import REVISION, codec_for
 from src.errors import UsageError
 from src.schema.signature import Arg
@@ -29,9 +29,11 @@ from src.schema.signature import Arg
 
 def prompt_ids(codec, prompt) -> list[int]:
     """A prompt's token ids as data=jsonl makes a prompted sample's first ones (jsonl.prompted)."""
-    if isinstance(prompt, list):  # a conversation: the template's text up to the assistant's turn
-        text, _ = chat_texts(codec, prompt, [])
-        return codec.encode(text, False)
+    if isinstance(prompt, list):  # a conversation: the template's text up to its cue for the assistant's turn
+        if codec.chat is None:
+            raise UsageError("data: prompts given as messages need a tokenizer with a chat template "
+                             "(tokenizer_config.json's chat_template); data.tokenizer names one without")
+        return codec.encode(codec.chat(prompt, add_generation_prompt=True), False)
     return codec.encode(prompt, True)
 
 
