@@ -414,7 +414,8 @@ def test_beta_trains_against_the_starting_weights_logging_train_kl(tmp_path):
 
 
 @pytest.mark.parametrize("form", ["string", "conversation"])
-def test_a_prompt_is_the_tokens_sft_conditioned_on_so_grpo_continues_where_sft_answered(form, chat_model, tmp_path):
+def test_a_prompt_is_the_tokens_sft_conditioned_on_so_grpo_continues_where_sft_answered(form, chat_model,  # noqa: F811
+                                                                                        tmp_path):
     """data=prompts tokenizes a prompt as data=jsonl's prompted sample starts (its tokens labelled -100): a string
     with the tokenizer's special tokens, a conversation through the chat template up to the assistant's cue."""
     from src.data.jsonl import prompted
