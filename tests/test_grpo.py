@@ -223,8 +223,8 @@ def test_a_transformers_model_writes_with_its_generate_and_trains_the_same_under
         tmp_path, pretrained):
     """A pretrained GPT-2 writes through transformers' generate, ending completions at its <|endoftext|>; 2 FSDP2
     processes (generate's synced_gpus: a rank whose completions all ended still joins the others' passes) train
-    the weights and log the rewards of 1 process accumulating 2; with a LoRA adapter too, and objective.beta
-    against its base, the adapter off. (GPT-2's key biases aside: tests/test_preference.py's without_key_biases
+    the weights and log the rewards of 1 process accumulating 2, its log-probabilities through the sharded output
+    layer 7 positions at a time; with a LoRA adapter too, and objective.beta against its base, the adapter off. (GPT-2's key biases aside: tests/test_preference.py's without_key_biases
     says why.) Without an adapter a reference copy is refused under FSDP."""
     from tests.conftest import FSDP_ON_CPU
     from tests.test_preference import LORA, without_key_biases
@@ -237,7 +237,8 @@ def test_a_transformers_model_writes_with_its_generate_and_trains_the_same_under
     for name, extra in (("full", []), ("lora", [LORA, "objective.beta=0.1"])):  # LoRA: its base is the reference
         one, sharded = tmp_path / f"{name}_one", tmp_path / f"{name}_fsdp"
         run(grpo_args(prompts, one, *common, *extra, "trainer.gradient_accumulation_steps=2", model=model))
-        run(grpo_args(prompts, sharded, *common, *extra, model=model), nproc=2, **FSDP_ON_CPU)
+        run(grpo_args(prompts, sharded, *common, *extra, "objective.chunk_tokens=7", model=model), nproc=2,
+            **FSDP_ON_CPU)
         assert scalars(sharded, "train/reward") == pytest.approx(scalars(one, "train/reward"), abs=1e-6), name
         assert min(scalars(one, "train/clipped_ratio").values()) < 1, "no completion ended at <|endoftext|>"
         assert max_abs_diff(without_key_biases(sharded), without_key_biases(one)) <= 1e-5, name
@@ -430,3 +431,31 @@ def test_a_prompt_is_the_tokens_sft_conditioned_on_so_grpo_continues_where_sft_a
     ids, labels = prompted(data.codec, prompt, completion)
     conditioned = ids[:labels.index(next(label for label in labels if label != -100))]
     assert data.train[0]["input_ids"].tolist() == conditioned
+
+
+def test_chunked_log_probabilities_give_the_loss_kl_and_gradients_of_whole_logits():
+    """objective.chunk_tokens: the policy's and the reference's token log-probabilities come from the output layer
+    a few positions at a time, and the loss, its gradient and train/kl are those of the whole logits."""
+    from tests.test_chunked_loss import whole_logits_seen
+
+    data = Data(["write a:", "a longer prompt, write b:"])
+    whole, model = objective_and_model(data, beta=0.5)
+    chunked, _ = objective_and_model(data, beta=0.5, chunk_tokens=3)
+    with torch.no_grad():
+        for parameter in model.parameters():  # away from the references (the starting weights)
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    rollout = whole.with_reference(model, *prompt_batch(data, [0, 1]))
+    rollout["advantages"] = torch.linspace(-1, 1, 8)
+    with whole_logits_seen(256) as seen:
+        chunked_rollout = dict(rollout, reference_logps=chunked.reference(rollout))
+        chunked_loss = chunked.model_loss_sum(model, chunked_rollout, None)
+    assert not seen, seen  # neither the policy's pass nor the reference's held a batch's logits
+    torch.testing.assert_close(chunked_rollout["reference_logps"] * (rollout["labels"][:, 1:] != -100),
+                               rollout["reference_logps"] * (rollout["labels"][:, 1:] != -100))
+    whole.training_metrics()
+    losses = [whole.model_loss_sum(model, rollout, None), chunked_loss]
+    torch.testing.assert_close(losses[1], losses[0])
+    grads = [torch.autograd.grad(loss, list(model.parameters())) for loss in losses]
+    for got, want in zip(*grads[::-1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(chunked.training_metrics()["kl"], whole.training_metrics()["kl"])

@@ -172,7 +172,8 @@ def check_the_model_keeps_its_logits(model: torch.nn.Module, inputs: Any, target
     that changes its logits after the output layer (Gemma's soft-capping, a logit scale) gives other numbers."""
     prefix = (slice(0, 1), slice(0, CHECKED_TOKENS))
     cut = (lambda t: t[prefix] if isinstance(t, torch.Tensor) and t.dim() >= 2 else t)
-    if getattr(objective, "trains_on_pairs", False):  # the input ids are the targets; the rest is the data's layout
+    # Pairs and completions: the input ids are the targets; the rest is the data's layout.
+    if getattr(objective, "trains_on_pairs", False) or getattr(objective, "trains_on_prompts", False):
         ids = cut(inputs["input_ids"])
         with torch.no_grad():
             logits = call_model(model, {"input_ids": ids})[:, :-1].float()

@@ -58,7 +58,7 @@ from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
 from src.loop.batches import call_model
 from src.objectives.base import Objective, PerSample
-from src.objectives.preference import next_token_logps
+from src.objectives.preference import model_answer_logps
 from src.objectives.reference import evaluating
 from src.schema.signature import Arg
 
@@ -116,6 +116,11 @@ class GRPO(Objective):
                  reference: Annotated[Literal["auto", "adapter", "copy"], Arg(
                      "with beta > 0, the reference: adapter (the LoRA adapter switched off), copy (a frozen copy of "
                      "the starting weights; not under FSDP); auto: adapter with a LoRA adapter, else copy")] = "auto",
+                 chunk_tokens: Annotated[Optional[int], Arg(
+                     "compute the completions' log-probabilities (and the reference's) through the model's output "
+                     "layer this many tokens at a time, so that the fp32 logits of a whole micro-batch of "
+                     "completions are never held (large vocabularies; src/objectives/chunked.py); null: at once",
+                     ge=1)] = None,
                  seed: Annotated[int, Arg("seeds the completions (with the step and the prompt's number)")] = 0,
                  target_key: Annotated[str, Arg("the batch key numbering the prompts")] = "prompt_index"):
         super().__init__(target_key=target_key)
@@ -129,6 +134,7 @@ class GRPO(Objective):
         self.scale_rewards = scale_rewards
         self.eval_generations, self.seed = eval_generations or num_generations, seed
         self.beta, self.reference_kind, self.reference = beta, reference, None  # the reference: start()
+        self.chunk_tokens = chunk_tokens
         self.trained_metrics = METRICS + (("kl",) if beta else ())
         self.step = 0  # the optimizer step being taken (before_step)
         self._sums: Optional[torch.Tensor] = None  # METRICS summed over the completions trained on since last read
@@ -167,7 +173,7 @@ class GRPO(Objective):
 
             def adapter_off(batch: Mapping) -> torch.Tensor:
                 with evaluating(model), getattr(model, "module", model).disable_adapter():
-                    return next_token_logps(call_model(model, batch), batch)
+                    return self.token_logps(model, batch)
             return adapter_off
         if self.sharded:
             raise UsageError("objective.reference=copy under FSDP would hold the whole model on every rank: train a "
@@ -176,7 +182,7 @@ class GRPO(Objective):
 
         def starting_weights(batch: Mapping) -> torch.Tensor:
             with torch.no_grad(), accelerator.autocast():  # the policy's precision; the copy was not prepared
-                return next_token_logps(call_model(frozen, batch), batch)
+                return self.token_logps(frozen, batch)
         return starting_weights
 
     def _load_reward_model(self, folder: Path, device: torch.device) -> torch.nn.Module:
@@ -215,12 +221,11 @@ class GRPO(Objective):
             self._sums[:len(METRICS)] += torch.stack([rollout["rewards"].sum(), rollout["group_std"].sum() * group,
                                                       rollout["lengths"].sum(), rollout["clipped"].sum()])
             if self.reference is not None:
-                rollout["reference_logps"] = self.reference({k: rollout[k] for k in MODEL_INPUTS})
+                rollout["reference_logps"] = self.reference(rollout)
         return rollout
 
     def model_loss_sum(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
-        logits = call_model(model, {k: inputs[k] for k in MODEL_INPUTS})
-        token_logps = next_token_logps(logits, inputs)
+        token_logps = self.token_logps(model, inputs)
         counted = inputs["labels"][:, 1:] != IGNORE_INDEX
         ratio = torch.exp(token_logps - token_logps.detach())  # 1, with the policy gradient's gradient
         per_token = -ratio * inputs["advantages"][:, None]
@@ -232,6 +237,12 @@ class GRPO(Objective):
             self._sums = self._sums + F.pad(mean_kl.detach().sum().reshape(1), (len(METRICS), 0))
         tokens = counted.sum(-1).clamp(min=1) if self.loss_type == "grpo" else self.max_completion_tokens
         return ((per_token * counted).sum(-1) / tokens).sum()
+
+    def token_logps(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
+        """(rows, T-1): each row's log-probability of its token t+1 at position t, in fp32; with chunk_tokens
+        from the output layer a chunk at a time (DPO's model_answer_logps, whose rows are any rows)."""
+        rows = {k: batch[k] for k in MODEL_INPUTS}
+        return model_answer_logps(model, rows, batch["labels"], IGNORE_INDEX, self.chunk_tokens)[2]
 
     def model_metrics(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict[str, PerSample]:
         per_prompt = len(targets)
