@@ -218,14 +218,15 @@ def test_a_reward_that_cannot_be_called_or_answers_wrong_and_a_completion_withou
     assert not (tmp_path / "run" / "model").exists()
 
 
-@pytest.mark.slow  # four launches, two of them FSDP2 over gloo, ~60 s
-def test_a_transformers_model_writes_with_its_generate_and_trains_the_same_under_fsdp_as_on_one_process(
+@pytest.mark.slow  # five launches, three of them FSDP2 over gloo, ~25 s
+def test_a_transformers_model_trains_the_same_under_fsdp_as_on_one_process_and_with_lora_against_its_base(
         tmp_path, pretrained):
-    """A pretrained GPT-2 writes through transformers' generate, ending completions at its <|endoftext|>; 2 FSDP2
-    processes (generate's synced_gpus: a rank whose completions all ended still joins the others' passes) train
-    the weights and log the rewards of 1 process accumulating 2, its log-probabilities through the sharded output
-    layer 7 positions at a time; with a LoRA adapter too, and objective.beta against its base, the adapter off. (GPT-2's key biases aside: tests/test_preference.py's without_key_biases
-    says why.) Without an adapter a reference copy is refused under FSDP."""
+    """A pretrained GPT-2, its completions ending at <|endoftext|>: 2 FSDP2 processes (each writing the whole
+    max_completion_tokens, as every pass is a collective) train the weights and log the rewards of 1 process
+    accumulating 2, their log-probabilities through the sharded output layer 7 positions at a time; with a LoRA
+    adapter too, and objective.beta against its base, the adapter off. (GPT-2's key biases aside:
+    tests/test_preference.py's without_key_biases says why.) Without an adapter a reference copy is refused under
+    FSDP."""
     from tests.conftest import FSDP_ON_CPU
     from tests.test_preference import LORA, without_key_biases
 
