@@ -144,11 +144,12 @@ def test_a_completion_ends_at_the_end_of_text_token_which_is_trained_and_not_sho
     assert rollout["lengths"].tolist() == [len(c) for c in written]
 
 
-def test_final_number_rewards_the_answers_number_on_the_completions_first_line():
+def test_final_number_rewards_the_number_after_the_last_marker_or_else_the_last_number():
     from src.objectives.rewards import final_number
 
-    completions = ["72", " 72\nmore 3", "7", "so 70 + 2 = 72 ", "none", "#### 72"]
-    assert final_number([""] * 6, completions, answer=["... #### 72"] * 6) == [1, 1, 0, 1, 0, 1]
+    completions = ["72", " 7 so 72", "7", "so 70 + 2 = 72 ", "none", "#### 72\nthat is 3", "#### 7\n#### 72",
+                   "1,072", "#### 72.0"]
+    assert final_number([""] * 9, completions, answer=["40 + 32 ... #### 72"] * 9) == [1, 1, 0, 1, 0, 1, 1, 0, 1]
 
 
 def test_grpo_teaches_a_model_from_scratch_to_write_what_the_reward_asks(tmp_path):
@@ -460,3 +461,28 @@ def test_chunked_log_probabilities_give_the_loss_kl_and_gradients_of_whole_logit
     for got, want in zip(*grads[::-1]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(chunked.training_metrics()["kl"], whole.training_metrics()["kl"])
+
+
+def test_the_gsm8k_recipe_runs_on_local_files_with_its_own_config(tmp_path, chat_model):  # noqa: F811
+    """experiment=grpo_gsm8k as written, the hub's model and dataset replaced by a tiny chat model and a local
+    folder of GSM8K's form (train and test splits of question and answer); its questions rendered by the chat
+    template with the recipe's system message."""
+    pd = pytest.importorskip("pandas")
+    from src.data.prompts import PromptsData
+
+    folder = tmp_path / "gsm8k"
+    folder.mkdir()
+    for split, n in (("train", 16), ("test", 4)):
+        pd.DataFrame([{"question": f"What is 2 + {i}?", "answer": f"2 + {i} = {2 + i}\n#### {2 + i}"}
+                      for i in range(n)]).to_parquet(folder / f"{split}.parquet")
+    run_dir = tmp_path / "run"
+    log = run(["experiment=grpo_gsm8k", f"model.pretrained={chat_model}", f"data.path={folder}", "data.subset=null",
+               "model.block_size=64", "objective.max_completion_tokens=8", "objective.chunk_tokens=16",
+               "trainer.mixed_precision=no", "trainer.max_steps=2", "trainer.eval_batches=1", "data.batch_size=2",
+               "trainer.log_every=1", f"hydra.run.dir={run_dir}"]).stdout
+    named(log, "objective.max_completion_tokens=8", "(logged once)")  # the rendered prompts are long: kept ends
+    assert sorted(scalars(run_dir, "eval/reward")) == [2] and 1 in scalars(run_dir, "train/reward")
+    recipe = PromptsData(block_size=64, path=str(folder), prompt_key="question", val_split="test", chat=True,
+                         system_prompt="end with #### N", tokenizer=str(chat_model))
+    rendered = recipe.codec.decode(recipe.train[0]["input_ids"].tolist())
+    assert "end with #### N" in rendered and "What is 2 + 0?" in rendered and rendered.endswith("<|assistant|>")

@@ -144,6 +144,8 @@ IN_PROSE = "a command or flag named in a sentence, not a command to type; what i
 WALKTHROUGH_FILE = "the bring-your-own walkthrough's file: tests/test_readme_example.py writes and runs it verbatim"
 PREFERENCE_WALKTHROUGH = ("the preference-tuning walkthrough (SFT, then DPO, a reward model and GRPO against it): "
                           "tests/test_readme_example.py follows it verbatim")
+GSM8K_RECIPE = ("the GSM8K recipe reads Qwen2.5-0.5B-Instruct and openai/gsm8k from the hub (not reachable here): "
+                "tests/test_grpo.py runs experiment=grpo_gsm8k on a local folder of its form with a tiny chat model")
 NOT_RUN = {
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r requirements.txt -r requirements-extras.txt "
     "&& python -m pytest tests": "the suite itself: .ci/run runs it verbatim (checked below)",
@@ -242,6 +244,8 @@ NOT_RUN = {
     "optimizer.lr=1e-3 trainer.max_steps=40 trainer.eval_every=20 trainer.eval_on_start=true trainer.eval_batches=4 "
     "hydra.run.dir=outputs/grpo": PREFERENCE_WALKTHROUGH,
     "python eval.py path=outputs/grpo/model eval_batches=4": PREFERENCE_WALKTHROUGH,
+    "accelerate launch train.py experiment=grpo_gsm8k": GSM8K_RECIPE,
+    "accelerate launch --config_file config/accelerate/multi_gpu.yaml train.py experiment=grpo_gsm8k": GSM8K_RECIPE,
     "python scripts/prepare_data.py data/shakespeare_pairs.jsonl data/pairs_shards --preference --tokenizer "
     "outputs/sft/model --workers 2 --val-fraction 0.1": PREFERENCE_WALKTHROUGH,
     "accelerate launch train.py model=hf_causal_lm model.pretrained=outputs/sft/model model.block_size=128 "

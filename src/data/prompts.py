@@ -37,6 +37,14 @@ def prompt_ids(codec, prompt) -> list[int]:
     return codec.encode(prompt, True)
 
 
+def as_chat(prompt, system_prompt: Optional[str]) -> list:
+    """A string prompt as a conversation: the user's message, after the system's where one is given."""
+    if isinstance(prompt, list):
+        return prompt
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": prompt}]
+
+
 class Prompts(Dataset):
     """Prompts' token ids as samples; `first_index` numbers them (validation prompts follow the training ones)."""
 
@@ -76,6 +84,10 @@ class PromptsData(DataModule):
                                                 "val_fraction of split)")] = None,
         subset: Annotated[Optional[str], Arg("through datasets: the subset of a folder or hub dataset that has "
                                              "several (e.g. gsm8k's main)")] = None,
+        chat: Annotated[bool, Arg("a string prompt becomes a user's message, rendered by the tokenizer's chat "
+                                  "template (an instruct model's form)")] = False,
+        system_prompt: Annotated[Optional[str], Arg("with chat: a system message before each prompt (how the "
+                                                    "answer should end, for the reward to read it)")] = None,
         tokenizer: Annotated[Optional[str], Arg("byte, char (vocabulary from the file's strings), a tokenizers JSON "
                                                 "file, or a from_pretrained folder or hub id holding one (null: byte)")
                              ] = "byte",
@@ -97,9 +109,13 @@ class PromptsData(DataModule):
                 raise UsageError(f"{where}:{number}: no {prompt_key!r} key (data.prompt_key); keys: {sorted(record)}")
         strings = [value for _, record in records for value in record.values() if isinstance(value, str)]
         self.codec = codec_for(tokenizer, strings, revision=tokenizer_revision)
+        if system_prompt is not None and not chat:
+            raise UsageError("data.system_prompt is a chat message: set data.chat=true (the tokenizer's chat template "
+                             "renders it before each prompt)")
         ids = []
         for number, record in records:
-            ids.append(prompt_ids(self.codec, record[prompt_key]))
+            ids.append(prompt_ids(self.codec, as_chat(record[prompt_key], system_prompt) if chat else
+                                  record[prompt_key]))
             if not ids[-1]:
                 raise UsageError(f"{file}:{number}: the prompt has no token; a completion needs something to follow")
         # What the reward function reads of each prompt, by prompt_index: the prompt as written and its columns.

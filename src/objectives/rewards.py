@@ -16,16 +16,24 @@ import re
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
-def last_number(text: str) -> str | None:
-    numbers = NUMBER.findall(text.replace(",", ""))
-    return numbers[-1] if numbers else None
+def numbers(text: str) -> list[str]:
+    return NUMBER.findall(text.replace(",", ""))  # 1,072 is one number
+
+
+def final_of(text: str) -> float | None:
+    """The first number after the text's last "####" where it has one, else its last number."""
+    marked = text.rsplit("####", 1)
+    found = numbers(marked[1])[:1] if len(marked) == 2 else []
+    found = found or numbers(text)[-1:]
+    return float(found[0]) if found else None
 
 
 def final_number(prompts: list, completions: list[str], answer: list, **columns) -> list[float]:
-    """1 where the completion's first line ends in the number the row's `answer` ends in, else 0: a verifiable
-    reward for arithmetic and GSM8K-style data (whose answers end "#### 72")."""
+    """1 where the completion's final number equals the row's `answer`'s, else 0 (72.0 is 72): a verifiable reward
+    for arithmetic and GSM8K (whose answers end "#### 72"). A text's final number is the first after its last "####"
+    where it writes one, else its last number."""
     scores = []
     for completion, expected in zip(completions, answer):
-        given = last_number(completion.split("\n", 1)[0])
-        scores.append(float(given is not None and given == last_number(str(expected))))
+        given = final_of(completion)
+        scores.append(float(given is not None and given == final_of(str(expected))))
     return scores
