@@ -365,6 +365,9 @@ def test_prompts_come_from_any_dataset_data_hf_dataset_reads_with_their_columns_
     with pytest.raises(UsageError) as error:
         PromptsData(block_size=32, path=str(folder), prompt_key="prompt", val_split="test")
     named(str(error.value), "'prompt'", "data.prompt_key", "answer", "question")
+    with pytest.raises(UsageError) as error:  # a system message is a chat template's to render
+        PromptsData(block_size=32, path=str(folder), prompt_key="question", system_prompt="Be brief.")
+    named(str(error.value), "data.system_prompt", "data.chat=true")
 
 
 def test_beta_adds_each_tokens_kl_divergence_from_the_starting_weights_zero_until_the_policy_moves():
