@@ -100,10 +100,10 @@ class PromptsData(DataModule):
         if path.endswith(".jsonl"):  # read here: no `datasets` needed
             file = readable_file(path, "data.path")
             self.source_files = {file.name: file}
-            records, n_val = list(_records(file)), None
+            records, n_val, where = list(_records(file)), None, str(file)
         else:
             records, n_val = self._read_with_datasets(path, split, val_split, subset)
-        where = path if n_val is not None else file
+            where = f"data.path={path}, row"
         for number, record in records:
             if prompt_key not in record:
                 raise UsageError(f"{where}:{number}: no {prompt_key!r} key (data.prompt_key); keys: {sorted(record)}")
