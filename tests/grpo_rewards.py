@@ -10,3 +10,8 @@ def letter_share(prompts: list, completions: list[str], letter: list, **columns)
 def too_few(prompts: list, completions: list[str], **columns) -> list[float]:
     """A broken reward: one score short."""
     return [0.0] * (len(completions) - 1)
+
+
+def starts_with_letter(prompts: list, completions: list[str], letter: list, **columns) -> list[float]:
+    """1 where the completion starts with the row's letter."""
+    return [float(text.startswith(want)) for text, want in zip(completions, letter)]

@@ -132,7 +132,8 @@ def test_a_completion_ends_at_the_end_of_text_token_which_is_trained_and_not_sho
             return self.gpt(input_ids) + 3.0 * torch.nn.functional.one_hot(torch.tensor(end), 256)
 
     model = WritesTheEndOften()
-    objective.reward = lambda prompts, completions, **columns: seen.extend(completions) or [0.0] * len(completions)
+    objective.rewards = {"seen": lambda prompts, completions, **columns: seen.extend(completions) or [0.0] * len(
+        completions)}
     rollout = objective.with_reference(model, *prompt_batch(data, [0, 1]))
     written = completions(rollout)
     ended = [c for c in written if end in c]
@@ -295,6 +296,7 @@ def test_a_reward_model_scores_each_completion_at_its_last_token_as_objective_re
     objective, model = objective_and_model(data, max_completion_tokens=10)
     torch.manual_seed(1)
     objective.reward_model = Model(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=16, head="reward").eval()
+    objective.reward_weights = torch.ones(2)  # the function's, then the model's
     with torch.no_grad():
         model.lm_head.weight[end] *= 4  # some completions end early
         rollout = objective.with_reference(model, *prompt_batch(data, [0, 1]))
@@ -489,3 +491,22 @@ def test_the_gsm8k_recipe_runs_on_local_files_with_its_own_config(tmp_path, chat
                          system_prompt="end with #### N", tokenizer=str(chat_model))
     rendered = recipe.codec.decode(recipe.train[0]["input_ids"].tolist())
     assert "end with #### N" in rendered and "What is 2 + 0?" in rendered and rendered.endswith("<|assistant|>")
+
+
+def test_several_rewards_are_summed_by_their_weights_and_each_is_logged(tmp_path):
+    """objective.reward as a list with objective.reward_weights (TRL's reward_funcs and reward_weights): the
+    reward is their weighted sum, and train/rewards/NAME logs each one's mean; a weight per reward is required."""
+    from src.objectives.grpo import GRPO
+
+    run_dir = tmp_path / "two"
+    run(grpo_args(letter_prompts(tmp_path / "letters.jsonl"), run_dir, *QUIET, "data.batch_size=4",
+                  "trainer.max_steps=30", "objective.num_generations=16",
+                  f"objective.reward=[{LETTERS},tests.grpo_rewards.starts_with_letter]",
+                  "objective.reward_weights=[1.0,0.5]"))
+    share, first = (scalars(run_dir, f"train/rewards/{name}") for name in ("letter_share", "starts_with_letter"))
+    total = scalars(run_dir, "train/reward")
+    assert sorted(total) == list(range(1, 31)) and max(first.values()) > 0
+    assert all(total[s] == pytest.approx(share[s] + 0.5 * first[s], abs=1e-6) for s in total)
+    with pytest.raises(UsageError) as error:
+        GRPO(reward=[LETTERS, LETTERS], reward_weights=[1.0])
+    named(str(error.value), "objective.reward_weights=[1.0]", "2")

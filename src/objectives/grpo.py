@@ -47,7 +47,7 @@ import copy
 import logging
 import math
 from pathlib import Path
-from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optional
+from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -91,13 +91,16 @@ class GRPO(Objective):
     loss_spikes_matter: ClassVar[bool] = False  # the loss is about 0 in value: trainer.spike_factor watches nothing
 
     def __init__(self,
-                 reward: Annotated[Optional[str], Arg(
+                 reward: Annotated[Optional[Union[str, list[str]]], Arg(
                      "the reward function, a dotted path: f(prompts, completions, **columns) -> a float per "
-                     "completion (src/objectives/rewards.py; null: reward_model's alone)")
+                     "completion (src/objectives/rewards.py), or a list of them, added (null: reward_model's alone)")
                  ] = "src.objectives.rewards.final_number",
                  reward_model: Annotated[Optional[str], Arg(
                      "an export of objective=reward (RUN/model) whose value at a completion's last token is its "
                      "reward, added to the function's; it must read the data's token ids (null: none)")] = None,
+                 reward_weights: Annotated[Optional[list[float]], Arg(
+                     "each reward's weight in the sum: the functions' in their order, then the reward model's "
+                     "(null: 1 each; TRL's reward_weights)")] = None,
                  num_generations: Annotated[int, Arg("completions per prompt: the group its advantages are "
                                                      "relative to", ge=2)] = 8,
                  max_completion_tokens: Annotated[int, Arg("longest completion in tokens", ge=1)] = 32,
@@ -127,15 +130,25 @@ class GRPO(Objective):
         if reward is None and reward_model is None:
             raise UsageError("objective=grpo needs a reward: objective.reward (a function) or objective.reward_model "
                              "(an export of objective=reward), or both")
-        self.reward_name, self.reward = reward, reward_function(reward) if reward is not None else None
+        names = [reward] if isinstance(reward, str) else list(reward or [])
+        self.rewards = {name: reward_function(name) for name in names}
         self.reward_model_path, self.reward_model = reward_model, None  # read by start()
+        sources = len(names) + (reward_model is not None)
+        if reward_weights is not None and len(reward_weights) != sources:
+            raise UsageError(f"objective.reward_weights={list(reward_weights)}: one weight per reward, {sources} here "
+                             f"(the functions {', '.join(names) or 'none'}"
+                             + (", then the reward model)" if reward_model is not None else ")"))
+        self.reward_weights = torch.tensor(reward_weights or [1.0] * sources, dtype=torch.float32)
+        # With several rewards, each one's mean as train/rewards/NAME (TRL's rewards/NAME/mean).
+        self.reward_names = [name.rsplit(".", 1)[-1] for name in names] + (["reward_model"] if reward_model else [])
+        self.per_reward = self.reward_names if sources > 1 else []
         self.num_generations, self.max_completion_tokens = num_generations, max_completion_tokens
         self.temperature, self.top_k, self.loss_type = float(temperature), top_k, loss_type
         self.scale_rewards = scale_rewards
         self.eval_generations, self.seed = eval_generations or num_generations, seed
         self.beta, self.reference_kind, self.reference = beta, reference, None  # the reference: start()
         self.chunk_tokens = chunk_tokens
-        self.trained_metrics = METRICS + (("kl",) if beta else ())
+        self.trained_metrics = METRICS + (("kl",) if beta else ()) + tuple(f"rewards/{n}" for n in self.per_reward)
         self.step = 0  # the optimizer step being taken (before_step)
         self._sums: Optional[torch.Tensor] = None  # METRICS summed over the completions trained on since last read
         self._cropped_logged = False
@@ -220,6 +233,8 @@ class GRPO(Objective):
         if training:
             self._sums[:len(METRICS)] += torch.stack([rollout["rewards"].sum(), rollout["group_std"].sum() * group,
                                                       rollout["lengths"].sum(), rollout["clipped"].sum()])
+            if self.per_reward:  # each reward's sum, unweighted, after kl's place
+                self._sums[len(self.trained_metrics) - len(self.per_reward):] += rollout["scores"].sum(-1)
             if self.reference is not None:
                 rollout["reference_logps"] = self.reference(rollout)
         return rollout
@@ -276,9 +291,10 @@ class GRPO(Objective):
                     prompts.append(prompt[0].tolist())
                     completions.append(row[:cut])
         batch = self._rows(prompts, completions, device)
-        rewards = self._rewards(targets.tolist(), completions, group).to(device)
+        scores = self._function_scores(targets.tolist(), completions, group).to(device)
         if self.reward_model is not None:
-            rewards = rewards + self._scored(batch)
+            scores = torch.cat([scores, self._scored(batch)[None]])
+        rewards = self.reward_weights.to(device) @ scores  # (sources,) x (sources, completions)
         grouped = rewards.view(-1, group)
         std = grouped.std(-1, keepdim=True)
         advantages = grouped - grouped.mean(-1, keepdim=True)
@@ -287,7 +303,7 @@ class GRPO(Objective):
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=device)
         clipped = torch.tensor([float(not c or c[-1] != end) for c in completions], device=device)
         return {**batch, "advantages": advantages.reshape(-1), "rewards": rewards, "group_std": std.reshape(-1),
-                "lengths": lengths, "clipped": clipped}
+                "lengths": lengths, "clipped": clipped, "scores": scores}
 
     def _cropped(self, prompt: torch.Tensor) -> torch.Tensor:
         """The prompt's last tokens that leave room for a whole completion in the model's context."""
@@ -336,26 +352,32 @@ class GRPO(Objective):
         last = batch["attention_mask"].sum(-1) - 1
         return values[..., 0].float().gather(1, last[:, None])[:, 0]
 
-    def _rewards(self, indices: list[int], completions: list[list[int]], group: int) -> torch.Tensor:
-        """The reward function's score of each completion, called once for the batch (0 without one)."""
-        if self.reward is None:
-            return torch.zeros(len(completions))
+    def _function_scores(self, indices: list[int], completions: list[list[int]], group: int) -> torch.Tensor:
+        """(functions, completions): each reward function's scores, each called once for the batch."""
+        if not self.rewards:
+            return torch.zeros(0, len(completions))
         end = self.codec.end_of_text
         rows = [self.rows[i] for i in indices for _ in range(group)]
         texts = [self.codec.decode(c[:-1] if c and c[-1] == end else c) for c in completions]
         columns: dict[str, list[Any]] = {key: [row.get(key) for row in rows] for key in rows[0] if key != "prompt"}
+        prompts = [row["prompt"] for row in rows]
+        return torch.stack([self._called(name, function, prompts, texts, columns)
+                            for name, function in self.rewards.items()])
+
+    @staticmethod
+    def _called(name: str, function: Callable, prompts: list, texts: list[str], columns: dict) -> torch.Tensor:
         try:
-            scores = self.reward(prompts=[row["prompt"] for row in rows], completions=texts, **columns)
+            scores = function(prompts=prompts, completions=texts, **columns)
         except TypeError as error:  # most often a column the function takes that the data has not
-            raise UsageError(f"objective.reward={self.reward_name}: {error}; it is called with prompts, completions "
-                             f"and the data's columns: {', '.join(sorted(columns)) or 'none'}") from None
+            raise UsageError(f"objective.reward={name}: {error}; it is called with prompts, completions and the "
+                             f"data's columns: {', '.join(sorted(columns)) or 'none'}") from None
         try:
             scores = [float(s) for s in scores]
         except (TypeError, ValueError):
             scores = None
         if scores is None or len(scores) != len(texts) or not all(math.isfinite(s) for s in scores):
-            raise UsageError(f"objective.reward={self.reward_name} must return one finite number per completion "
-                             f"({len(texts)} here); it returned {str(scores)[:200]}")
+            raise UsageError(f"objective.reward={name} must return one finite number per completion ({len(texts)} "
+                             f"here); it returned {str(scores)[:200]}")
         return torch.tensor(scores, dtype=torch.float32)
 
     def _rows(self, prompts: list[list[int]], completions: list[list[int]], device) -> dict[str, torch.Tensor]:
