@@ -502,10 +502,10 @@ def test_several_rewards_are_summed_by_their_weights_and_each_is_logged(tmp_path
     run(grpo_args(letter_prompts(tmp_path / "letters.jsonl"), run_dir, *QUIET, "data.batch_size=4",
                   "trainer.max_steps=30", "objective.num_generations=16",
                   f"objective.reward=[{LETTERS},tests.grpo_rewards.starts_with_letter]",
-                  "objective.reward_weights=[1.0,0.5]"))
+                  "objective.reward_weights=[1.0,0.5]", "objective.beta=0.1"))
     share, first = (scalars(run_dir, f"train/rewards/{name}") for name in ("letter_share", "starts_with_letter"))
     total = scalars(run_dir, "train/reward")
-    assert sorted(total) == list(range(1, 31)) and max(first.values()) > 0
+    assert sorted(total) == list(range(1, 31)) and max(first.values()) > 0 and scalars(run_dir, "train/kl")[30] > 0
     assert all(total[s] == pytest.approx(share[s] + 0.5 * first[s], abs=1e-6) for s in total)
     with pytest.raises(UsageError) as error:
         GRPO(reward=[LETTERS, LETTERS], reward_weights=[1.0])

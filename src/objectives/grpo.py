@@ -38,7 +38,9 @@ lists), each repeated for its group; `completions` the texts written (the end-of
 the rows' other columns, lists aligned with the completions. src/objectives/rewards.py has examples.
 
 Training reports TRL's numbers: train/reward, train/reward_std (the groups' mean standard deviation: zero means
-nothing to learn from), train/completion_length, train/clipped_ratio (completions cut at max_completion_tokens).
+nothing to learn from), train/completion_length, train/clipped_ratio (completions cut at max_completion_tokens),
+with beta train/kl (the completions' mean token divergence), with several rewards train/rewards/NAME (each one's
+mean, unweighted).
 Evaluation writes eval_generations completions per validation prompt from a stream seeded without the step, and
 reports eval/reward (the default trainer.monitor, higher better), eval/completion_length, eval/clipped_ratio.
 """
@@ -249,7 +251,8 @@ class GRPO(Objective):
             kl = torch.exp(log_ratio) - log_ratio - 1
             per_token = per_token + self.beta * kl
             mean_kl = (kl * counted).sum(-1) / counted.sum(-1).clamp(min=1)
-            self._sums = self._sums + F.pad(mean_kl.detach().sum().reshape(1), (len(METRICS), 0))
+            after = len(self.trained_metrics) - len(METRICS) - 1  # each reward's sum, with several
+            self._sums = self._sums + F.pad(mean_kl.detach().sum().reshape(1), (len(METRICS), after))
         tokens = counted.sum(-1).clamp(min=1) if self.loss_type == "grpo" else self.max_completion_tokens
         return ((per_token * counted).sum(-1) / tokens).sum()
 
