@@ -176,6 +176,10 @@ def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resume
     run(grpo_args(prompts, two, *common), nproc=2)
     assert scalars(two, "train/reward") == pytest.approx(scalars(one, "train/reward"), abs=1e-6)
     assert max(scalars(one, "train/reward_std").values()) > 0  # something to learn from
+    for run_dir in (one, two):  # tokens/s counts the completions' tokens of all processes: 8 a prompt here
+        tokens, per_prompt, length = (scalars(run_dir, f"train/{name}") for name in (
+            "tokens_per_second", "samples_per_second", "completion_length"))
+        assert all(tokens[s] / per_prompt[s] == pytest.approx(8 * length[s], rel=1e-5) for s in tokens), run_dir
     assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
 
     kill_when(grpo_args(prompts, killed, *common, "trainer.gradient_accumulation_steps=2"), 1,

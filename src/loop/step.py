@@ -70,6 +70,7 @@ class TrainStep:
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.update_parameters(accelerator.unwrap_model(model))
+        tokens = self.objective.trained_tokens(tokens)
         return StepResult(loss_sum, targets, tokens, grad_norm, applied, self.objective.training_metrics())
 
     def pass_over(self) -> None:

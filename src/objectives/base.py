@@ -79,8 +79,14 @@ class Objective:
         """Called before each optimizer step with its number (0 for the first): objective=grpo seeds its
         completions with it."""
 
+    def trained_tokens(self, planned: torch.Tensor) -> torch.Tensor:
+        """What throughput counts of the step just taken, summed over processes: `planned`, throughput_count's of
+        the window, unless the objective learns it only during the step (objective=grpo: its completions)."""
+        return planned
+
     def with_reference(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> Any:
-        """The inputs with what is computed outside the (compiled) step: a reference model's numbers."""
+        """The inputs with what is computed outside the (compiled) step: a reference model's numbers
+        (objective=grpo: the completions themselves, written and scored)."""
         return inputs
 
     def training_metrics(self) -> dict[str, torch.Tensor]:

@@ -166,6 +166,7 @@ class GRPO(Objective):
             raise UsageError(f"objective.max_completion_tokens={self.max_completion_tokens} leaves no room for a "
                              f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
         self._sums = torch.zeros(len(self.trained_metrics), device=accelerator.device)
+        self._tokens = torch.zeros(1, device=accelerator.device)  # the completions' tokens of the step so far
         self.sharded = sharded(accelerator)
         if self.reward_model_path is not None:
             self.reward_model = self._load_reward_model(Path(self.reward_model_path), accelerator.device)
@@ -233,6 +234,7 @@ class GRPO(Objective):
         group = self.num_generations if training else self.eval_generations
         rollout = self.rollout(model, inputs, targets, self.step if training else EVALUATION, group)
         if training:
+            self._tokens += rollout["lengths"].sum()
             self._sums[:len(METRICS)] += torch.stack([rollout["rewards"].sum(), rollout["group_std"].sum() * group,
                                                       rollout["lengths"].sum(), rollout["clipped"].sum()])
             if self.per_reward:  # each reward's sum, unweighted, after kl's place
@@ -268,6 +270,12 @@ class GRPO(Objective):
         return {name: (inputs[key].view(per_prompt, -1).sum(-1), weight)
                 for name, key in (("reward", "rewards"), ("completion_length", "lengths"),
                                   ("clipped_ratio", "clipped"))}
+
+    def trained_tokens(self, planned: torch.Tensor) -> torch.Tensor:
+        """The step's completion tokens (what train/tokens_per_second counts), known only once they are written:
+        one all-reduce of a number, on the device."""
+        tokens, self._tokens = self._tokens, torch.zeros_like(self._tokens)
+        return (self.accelerator.reduce(tokens, "sum") if self.accelerator.num_processes > 1 else tokens)[0]
 
     def training_metrics(self) -> dict[str, torch.Tensor]:
         if self._sums is None:
