@@ -514,3 +514,16 @@ def test_several_rewards_are_summed_by_their_weights_and_each_is_logged(tmp_path
     with pytest.raises(UsageError) as error:
         GRPO(reward=[LETTERS, LETTERS], reward_weights=[1.0])
     named(str(error.value), "objective.reward_weights=[1.0]", "2")
+
+
+@pytest.mark.slow  # compilation, ~20 s
+def test_a_compiled_grpo_step_trains_the_eager_steps_weights(tmp_path):
+    """trainer.compile=true: the rollout stays outside the compiled step (its shapes change every step), the loss
+    inside it; the same completions and rewards, and the weights of the eager run (AdamW's rounding aside)."""
+    prompts = letter_prompts(tmp_path / "letters.jsonl")
+    common = [*QUIET, "data.batch_size=2", "trainer.max_steps=6"]
+    run(grpo_args(prompts, tmp_path / "eager", *common))
+    run(grpo_args(prompts, tmp_path / "compiled", *common, "trainer.compile=true"))
+    assert scalars(tmp_path / "compiled", "train/reward") == scalars(tmp_path / "eager", "train/reward")
+    assert max(scalars(tmp_path / "eager", "train/grad_norm").values()) > 0
+    assert max_abs_diff(exported_weights(tmp_path / "compiled"), exported_weights(tmp_path / "eager")) <= 1e-4
