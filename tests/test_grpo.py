@@ -458,7 +458,7 @@ def test_chunked_log_probabilities_give_the_loss_kl_and_gradients_of_whole_logit
     rollout = whole.with_reference(model, *prompt_batch(data, [0, 1]))
     rollout["advantages"] = torch.linspace(-1, 1, 8)
     with whole_logits_seen(256) as seen:
-        chunked_rollout = dict(rollout, reference_logps=chunked.reference(rollout))
+        chunked_rollout = dict(rollout, reference_logps=chunked.reference(model, rollout, None))
         chunked_loss = chunked.model_loss_sum(model, chunked_rollout, None)
     assert not seen, seen  # neither the policy's pass nor the reference's held a batch's logits
     torch.testing.assert_close(chunked_rollout["reference_logps"] * (rollout["labels"][:, 1:] != -100),

@@ -45,7 +45,6 @@ Evaluation writes eval_generations completions per validation prompt from a stre
 reports eval/reward (the default trainer.monitor, higher better), eval/completion_length, eval/clipped_ratio.
 """
 
-import copy
 import logging
 import math
 from pathlib import Path
@@ -61,7 +60,7 @@ from src.errors import UsageError
 from src.loop.batches import call_model
 from src.objectives.base import Objective, PerSample
 from src.objectives.preference import model_answer_logps
-from src.objectives.reference import evaluating
+from src.objectives.reference import AdapterOff, FrozenCopy, Reference, evaluating
 from src.schema.signature import Arg
 
 log = logging.getLogger(__name__)
@@ -173,10 +172,10 @@ class GRPO(Objective):
         if self.beta:
             self.reference = self._reference(accelerator, model)
 
-    def _reference(self, accelerator, model: torch.nn.Module) -> Callable:
-        """What gives the reference's per-token log-probabilities of a batch of completions: the model with its
-        adapter off, or a frozen copy of its starting weights (start() runs before a resume loads its checkpoint, so
-        a resumed run's reference is the fresh run's). DPO's references (src/objectives/reference.py), per token."""
+    def _reference(self, accelerator, model: torch.nn.Module) -> Reference:
+        """DPO's reference (src/objectives/reference.py) of the model as it starts (start() runs before a resume
+        loads its checkpoint, so a resumed run's is the fresh run's), giving per-token log-probabilities here
+        (model_logps): the model with its adapter off, or a frozen copy of its starting weights."""
         inner = accelerator.unwrap_model(model)
         has_adapter = hasattr(inner, "disable_adapter") and hasattr(inner, "peft_config")
         kind = ("adapter" if has_adapter else "copy") if self.reference_kind == "auto" else self.reference_kind
@@ -186,20 +185,15 @@ class GRPO(Objective):
             if not has_adapter:
                 raise UsageError("objective.reference=adapter needs a model with a LoRA adapter (model.peft): its "
                                  "base, with the adapter switched off, is the reference; use objective.reference=copy")
-
-            def adapter_off(batch: Mapping) -> torch.Tensor:
-                with evaluating(model), getattr(model, "module", model).disable_adapter():
-                    return self.token_logps(model, batch)
-            return adapter_off
+            return AdapterOff(self)
         if self.sharded:
             raise UsageError("objective.reference=copy under FSDP would hold the whole model on every rank: train a "
                              "LoRA adapter (model.peft), whose base is the reference, or set objective.beta=0")
-        frozen = copy.deepcopy(inner).requires_grad_(False).eval()
+        return FrozenCopy(accelerator, inner, self)
 
-        def starting_weights(batch: Mapping) -> torch.Tensor:
-            with torch.no_grad(), accelerator.autocast():  # the policy's precision; the copy was not prepared
-                return self.token_logps(frozen, batch)
-        return starting_weights
+    def model_logps(self, model: torch.nn.Module, inputs: Mapping, targets: Any) -> tuple[torch.Tensor]:
+        """What a Reference reads of a model: here the completions' per-token log-probabilities."""
+        return (self.token_logps(model, inputs),)
 
     def _load_reward_model(self, folder: Path, device: torch.device) -> torch.nn.Module:
         """The reward model whole on each process, frozen: one that fits there (a small one, as in RLHF's recipes
@@ -240,7 +234,7 @@ class GRPO(Objective):
             if self.per_reward:  # each reward's sum, unweighted, after kl's place
                 self._sums[len(self.trained_metrics) - len(self.per_reward):] += rollout["scores"].sum(-1)
             if self.reference is not None:
-                rollout["reference_logps"] = self.reference(rollout)
+                rollout["reference_logps"] = self.reference(model, rollout, targets)
         return rollout
 
     def model_loss_sum(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
