@@ -64,6 +64,23 @@ def prompt_batch(data: Data, indices: list[int]) -> tuple[dict, torch.Tensor]:
     return {k: v for k, v in batch.items() if k != "prompt_index"}, batch["prompt_index"]
 
 
+class WritesTheEndOften(torch.nn.Module):
+    """A byte GPT more likely than not to write the end token within a few tokens."""
+
+    def __init__(self, gpt: torch.nn.Module, end: int):
+        super().__init__()
+        self.gpt, self.end = gpt, end
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.gpt(input_ids) + 3.0 * torch.nn.functional.one_hot(torch.tensor(self.end), 256)
+
+
+def written(objective, model, batch: tuple[dict, torch.Tensor]) -> dict:
+    """A training micro-batch's completions as its step trains on them (with beta, the reference's numbers too)."""
+    rollout, labels = objective.prepare_window(model, [batch])[0]
+    return objective.with_reference(model, rollout, labels)
+
+
 def completions(rollout: dict) -> list[list[int]]:
     return [ids[labels != -100].tolist() for ids, labels in zip(rollout["input_ids"], rollout["labels"])]
 
@@ -77,13 +94,13 @@ def test_a_prompts_completions_are_drawn_from_its_number_and_the_step_alone_and_
     both = prompt_batch(data, [0, 1])
     objective.before_step(3)
     state = torch.get_rng_state()
-    together = objective.with_reference(model, *both)
+    together = written(objective, model, both)
     assert torch.equal(torch.get_rng_state(), state)
-    alone = objective.with_reference(model, *prompt_batch(data, [1]))
+    alone = written(objective, model, prompt_batch(data, [1]))
     assert completions(together)[4:] == completions(alone)
     assert completions(together)[:4] != completions(together)[4:]
     objective.before_step(4)
-    assert completions(objective.with_reference(model, *prompt_batch(data, [1]))) != completions(alone)
+    assert completions(written(objective, model, prompt_batch(data, [1]))) != completions(alone)
 
     rewards = together["rewards"].view(2, 4)
     expected = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
@@ -92,27 +109,75 @@ def test_a_prompts_completions_are_drawn_from_its_number_and_the_step_alone_and_
     assert all(row[:len(prompt)].tolist() == prompt for row in together["input_ids"][4:])
 
 
-def test_the_loss_is_the_policy_gradient_of_each_completions_mean_token_log_probability():
-    """Its value is minus the mean advantage; its gradient that of -A x (the completion's log-probability over its
-    tokens: grpo; over max_completion_tokens: dr_grpo), summed over completions."""
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_the_loss_is_the_policy_gradient_normalised_over_tokens_or_completions(loss_type):
+    """The step's loss is minus its advantages' token-weighted mean, and its gradient that of -A x the completion's
+    log-probability over: the global batch's completion tokens (dapo); the completion's own tokens, then the
+    completions (grpo); max_completion_tokens, then the completions (dr_grpo)."""
     from src.objectives.preference import next_token_logps
 
     data = Data(["write a:", "write b:"])
-    for loss_type in ("grpo", "dr_grpo"):
-        objective, model = objective_and_model(data, loss_type=loss_type)
-        rollout = objective.with_reference(model, *prompt_batch(data, [0, 1]))
-        rollout["advantages"] = torch.linspace(-1, 1, 8)  # any advantages: the gradient must follow them
-        loss = objective.model_loss_sum(model, rollout, None)
-        torch.testing.assert_close(loss, -rollout["advantages"].sum())
-        grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
-        counted = rollout["labels"][:, 1:] != -100
-        logps = (next_token_logps(model(rollout["input_ids"]), rollout) * counted).sum(-1)
-        tokens = counted.sum(-1) if loss_type == "grpo" else 6
-        expected = torch.autograd.grad(-(rollout["advantages"] * logps / tokens).sum(), list(model.parameters()),
-                                       allow_unused=True)
-        for got, want in zip(grads, expected):
-            if want is not None:
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    objective, model = objective_and_model(data, loss_type=loss_type)
+    rollout = written(objective, model, prompt_batch(data, [0, 1]))
+    for row, labels in enumerate(rollout["labels"]):  # completions of 1 to 6 tokens
+        labels[(labels != -100).nonzero()[0, 0] + 1 + row % 6:] = -100
+    rollout["advantages"] = torch.linspace(-1, 1, 8)  # any advantages: the gradient must follow them
+    count = objective.count(rollout["labels"])
+    loss = (objective.model_loss_sum(model, rollout, None) / count).sum()  # one micro-batch: the step's loss
+    counted = rollout["labels"][:, 1:] != -100
+    tokens = counted.sum(-1)
+    assert count.tolist() == [8, tokens.sum()]
+    weights = {"dapo": tokens / tokens.sum(), "grpo": torch.full((8,), 1 / 8), "dr_grpo": tokens / 6 / 8}[loss_type]
+    torch.testing.assert_close(loss, -(rollout["advantages"] * weights).sum())
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    logps = (next_token_logps(model(rollout["input_ids"]), rollout) * counted).sum(-1)
+    expected = torch.autograd.grad(-(rollout["advantages"] * logps * weights / tokens).sum(),
+                                   list(model.parameters()), allow_unused=True)
+    for got, want in zip(grads, expected):
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale, divisor", [("group", "group"), (True, "group"), ("batch", "batch"),
+                                            ("none", None), (False, None)])
+def test_advantages_are_scaled_by_the_groups_or_the_whole_steps_reward_deviation_or_not_at_all(scale, divisor):
+    """scale_rewards: a completion's reward less its group's mean, over its group's standard deviation (group, true),
+    over that of every reward of the step, all micro-batches together (batch), or as it is (none, false)."""
+    data = Data(["write a:", "write b:", "write c:", "a longer prompt, write a:"])
+    objective, model = objective_and_model(data, scale_rewards=scale)
+    objective.rewards = {"varied": lambda prompts, completions, **columns: [sum(map(ord, c)) % 7 for c in completions]}
+    window = objective.prepare_window(model, [prompt_batch(data, [0, 1]), prompt_batch(data, [2, 3])])
+    rewards = torch.cat([rollout["rewards"] for rollout, _ in window]).view(4, 4)
+    assert rewards.std(1).min() != rewards.std(1).max()  # the two divisors differ
+    centred = rewards - rewards.mean(1, keepdim=True)
+    expected = {"group": centred / (rewards.std(1, keepdim=True) + 1e-4), "batch": centred / (rewards.std() + 1e-4),
+                None: centred}[divisor]
+    torch.testing.assert_close(torch.cat([rollout["advantages"] for rollout, _ in window]), expected.reshape(-1))
+
+
+def test_top_p_samples_from_the_nucleus_transformers_keeps():
+    """The likeliest tokens whose probabilities reach top_p together stay, the rest never drawn: the set
+    transformers' TopPLogitsWarper keeps."""
+    from transformers import TopPLogitsWarper
+
+    from src.objectives.grpo import nucleus
+
+    probabilities = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]])
+    kept = nucleus(probabilities.log(), 0.8).isfinite()
+    assert kept.tolist() == [[True, True, False, False], [False, False, True, True]]
+    logits = torch.randn(64, 256) * 3
+    for top_p in (0.1, 0.5, 0.9, 0.99):
+        assert torch.equal(nucleus(logits, top_p).isfinite(), TopPLogitsWarper(top_p)(None, logits).isfinite())
+
+    data = Data(["write a:"])
+    objective, model = objective_and_model(data, top_p=0.3, num_generations=16)
+    rollout = written(objective, model, prompt_batch(data, [0]))
+    for ids, labels in zip(rollout["input_ids"], rollout["labels"]):
+        start = (labels != -100).nonzero()[0, 0].item()
+        with torch.no_grad():
+            allowed = nucleus(model(ids[None])[0, start - 1:-1], 0.3).isfinite()
+        assert allowed[torch.arange(len(ids) - start), ids[start:]].all()
+        assert allowed.sum(-1).max() < 256
 
 
 def test_a_completion_ends_at_the_end_of_text_token_which_is_trained_and_not_shown_to_the_reward():
@@ -122,27 +187,44 @@ def test_a_completion_ends_at_the_end_of_text_token_which_is_trained_and_not_sho
     end = ord("\n")
     data = Data(["write a:"] * 2, end_of_text=end)
     objective, gpt = objective_and_model(data, max_completion_tokens=12, num_generations=16)
-
-    class WritesTheEndOften(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gpt = gpt
-
-        def forward(self, input_ids, attention_mask=None):
-            return self.gpt(input_ids) + 3.0 * torch.nn.functional.one_hot(torch.tensor(end), 256)
-
-    model = WritesTheEndOften()
+    model = WritesTheEndOften(gpt, end)
     objective.rewards = {"seen": lambda prompts, completions, **columns: seen.extend(completions) or [0.0] * len(
         completions)}
-    rollout = objective.with_reference(model, *prompt_batch(data, [0, 1]))
-    written = completions(rollout)
-    ended = [c for c in written if end in c]
-    assert ended and len(ended) < len(written)
-    for c, text, clipped in zip(written, seen, rollout["clipped"].tolist()):
+    rollout = written(objective, model, prompt_batch(data, [0, 1]))
+    wrote = completions(rollout)
+    ended = [c for c in wrote if end in c]
+    assert ended and len(ended) < len(wrote)
+    for c, text, clipped in zip(wrote, seen, rollout["clipped"].tolist()):
         assert c.count(end) <= 1 and (end not in c or c[-1] == end)
         assert clipped == (end not in c) and (len(c) == 12 or not clipped)
         assert text == data.codec.decode(c[:-1] if end in c else c) and not text.endswith("\n")
-    assert rollout["lengths"].tolist() == [len(c) for c in written]
+    assert rollout["lengths"].tolist() == [len(c) for c in wrote]
+
+
+def test_mask_truncated_completions_trains_on_the_completions_that_ended_only():
+    """A completion cut at max_completion_tokens keeps its reward and metrics but has no trained token: the loss,
+    its gradient and dapo's token count are those of the completions that wrote the end token."""
+    end = ord("\n")
+    data = Data(["write a:", "a longer prompt, write a:"], end_of_text=end)
+    results = []
+    for mask in (False, True):
+        objective, gpt = objective_and_model(data, max_completion_tokens=10, mask_truncated_completions=mask)
+        model = WritesTheEndOften(gpt, end)
+        rollout = written(objective, model, prompt_batch(data, [0, 1]))
+        results.append((objective, model, rollout))
+    (_, _, kept), (objective, model, masked) = results
+    clipped = masked["clipped"].bool()
+    assert 0 < clipped.sum() < len(clipped)
+    assert torch.equal(masked["rewards"], kept["rewards"]) and torch.equal(masked["input_ids"], kept["input_ids"])
+    assert (masked["labels"][clipped] == -100).all()
+    assert torch.equal(masked["labels"][~clipped], kept["labels"][~clipped])
+    assert objective.count(masked["labels"])[1] == (kept["labels"][~clipped] != -100).sum()
+    ended = {k: v[~clipped] if isinstance(v, torch.Tensor) and len(v) == len(clipped) else v for k, v in kept.items()}
+    loss = objective.model_loss_sum(model, masked, None).sum()
+    torch.testing.assert_close(loss, objective.model_loss_sum(model, ended, None).sum())
+    embedding = model.gpt.tok_emb.weight
+    torch.testing.assert_close(torch.autograd.grad(loss, [embedding])[0], torch.autograd.grad(
+        objective.model_loss_sum(model, ended, None).sum(), [embedding])[0])
 
 
 def test_final_number_rewards_the_number_after_the_last_marker_or_else_the_last_number():
@@ -166,11 +248,13 @@ def test_grpo_teaches_a_model_from_scratch_to_write_what_the_reward_asks(tmp_pat
     assert scalars(run_dir, "train/reward_std")[20] > 0 and scalars(run_dir, "train/clipped_ratio")[200] == 1
 
 
-def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("options", [(), ("objective.scale_rewards=batch",)], ids=["dapo", "batch_scaled"])
+def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resumes_bitwise(tmp_path, options):
     """2 processes of 2 prompts train the weights (1e-5) and log the rewards of 1 process accumulating 2 micro-
-    batches; a run killed after a checkpoint resumes to the same rewards and weights, bitwise."""
+    batches (dapo's token count and scale_rewards=batch's deviation are the global batch's); a run killed after a
+    checkpoint resumes to the same rewards and weights, bitwise."""
     prompts = letter_prompts(tmp_path / "letters.jsonl")
-    common = [*QUIET, "data.batch_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3"]
+    common = [*QUIET, "data.batch_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3", *options]
     one, two, killed = (tmp_path / name for name in ("one", "two", "killed"))
     run(grpo_args(prompts, one, *common, "trainer.gradient_accumulation_steps=2"))
     run(grpo_args(prompts, two, *common), nproc=2)
@@ -181,6 +265,8 @@ def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resume
             "tokens_per_second", "samples_per_second", "completion_length"))
         assert all(tokens[s] / per_prompt[s] == pytest.approx(8 * length[s], rel=1e-5) for s in tokens), run_dir
     assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
+    if options:
+        return
 
     kill_when(grpo_args(prompts, killed, *common, "trainer.gradient_accumulation_steps=2"), 1,
               ready=lambda: (killed / "checkpoints" / "step_00000003").is_dir())
@@ -303,7 +389,7 @@ def test_a_reward_model_scores_each_completion_at_its_last_token_as_objective_re
     objective.reward_weights = torch.ones(2)  # the function's, then the model's
     with torch.no_grad():
         model.lm_head.weight[end] *= 4  # some completions end early
-        rollout = objective.with_reference(model, *prompt_batch(data, [0, 1]))
+        rollout = written(objective, model, prompt_batch(data, [0, 1]))
         alone = [objective.reward_model(ids[mask.bool()][None])[0, -1, 0]
                  for ids, mask in zip(rollout["input_ids"], rollout["attention_mask"])]
     function = torch.tensor([sum(ch == "a" for ch in data.codec.decode(c[:-1] if c[-1:] == [end] else c))
@@ -385,29 +471,29 @@ def test_beta_adds_each_tokens_kl_divergence_from_the_starting_weights_zero_unti
     from src.objectives.preference import next_token_logps
 
     data = Data(["write a:", "write b:"])
-    objective, model = objective_and_model(data, beta=0.5)
-    plain, _ = objective_and_model(data)
+    objective, model = objective_and_model(data, beta=0.5, loss_type="grpo")
+    plain, _ = objective_and_model(data, loss_type="grpo")
     starting = copy.deepcopy(model)
     batch = prompt_batch(data, [0, 1])
-    rollout = objective.with_reference(model, *batch)
+    rollout = written(objective, model, batch)
     rollout["advantages"] = torch.linspace(-1, 1, 8)
-    loss = objective.model_loss_sum(model, rollout, None)
+    loss = objective.model_loss_sum(model, rollout, None).sum()
     torch.testing.assert_close(loss, -rollout["advantages"].sum())
     grads = torch.autograd.grad(loss, [model.tok_emb.weight])[0]
     unrolled = {k: v for k, v in rollout.items() if k != "reference_logps"}
-    torch.testing.assert_close(grads, torch.autograd.grad(plain.model_loss_sum(model, unrolled, None),
+    torch.testing.assert_close(grads, torch.autograd.grad(plain.model_loss_sum(model, unrolled, None).sum(),
                                                           [model.tok_emb.weight])[0])
     assert objective.training_metrics()["kl"] == 0
 
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
-    rollout = objective.with_reference(model, *batch)
+    rollout = written(objective, model, batch)
     counted = rollout["labels"][:, 1:] != -100
     policy = next_token_logps(model(rollout["input_ids"]), rollout)
     r = next_token_logps(starting(rollout["input_ids"]), rollout) - policy
     kl = ((torch.exp(r) - r - 1) * counted).sum(-1) / counted.sum(-1)
-    loss = objective.model_loss_sum(model, rollout, None)
+    loss = objective.model_loss_sum(model, rollout, None).sum()
     expected = (((-torch.exp(policy - policy.detach()) * rollout["advantages"][:, None]) * counted).sum(-1)
                 / counted.sum(-1) + 0.5 * kl).sum()
     torch.testing.assert_close(loss, expected)
@@ -450,21 +536,21 @@ def test_chunked_log_probabilities_give_the_loss_kl_and_gradients_of_whole_logit
     from tests.test_chunked_loss import whole_logits_seen
 
     data = Data(["write a:", "a longer prompt, write b:"])
-    whole, model = objective_and_model(data, beta=0.5)
-    chunked, _ = objective_and_model(data, beta=0.5, chunk_tokens=3)
+    whole, model = objective_and_model(data, beta=0.5, loss_type="grpo")  # a mean per completion: atol's scale
+    chunked, _ = objective_and_model(data, beta=0.5, chunk_tokens=3, loss_type="grpo")
     with torch.no_grad():
         for parameter in model.parameters():  # away from the references (the starting weights)
             parameter.add_(0.05 * torch.randn_like(parameter))
-    rollout = whole.with_reference(model, *prompt_batch(data, [0, 1]))
+    rollout = written(whole, model, prompt_batch(data, [0, 1]))
     rollout["advantages"] = torch.linspace(-1, 1, 8)
     with whole_logits_seen(256) as seen:
         chunked_rollout = dict(rollout, reference_logps=chunked.reference(model, rollout, None))
-        chunked_loss = chunked.model_loss_sum(model, chunked_rollout, None)
+        chunked_loss = chunked.model_loss_sum(model, chunked_rollout, None).sum()
     assert not seen, seen  # neither the policy's pass nor the reference's held a batch's logits
     torch.testing.assert_close(chunked_rollout["reference_logps"] * (rollout["labels"][:, 1:] != -100),
                                rollout["reference_logps"] * (rollout["labels"][:, 1:] != -100))
     whole.training_metrics()
-    losses = [whole.model_loss_sum(model, rollout, None), chunked_loss]
+    losses = [whole.model_loss_sum(model, rollout, None).sum(), chunked_loss]
     torch.testing.assert_close(losses[1], losses[0])
     grads = [torch.autograd.grad(loss, list(model.parameters())) for loss in losses]
     for got, want in zip(*grads[::-1]):

@@ -48,14 +48,16 @@ class TrainStep:
         """Optimizer step `step` + 1 over `window`, a list of gradient_accumulation_steps micro-batches."""
         accelerator, model, optimizer = self.accelerator, self.model, self.optimizer
         window = [split_batch(batch, self.objective.target_key) for batch in window]  # (inputs, targets) pairs
+        self.objective.before_step(step)
+        if step == 0:
+            for inputs, micro_targets in window:
+                self.objective.check_batch(inputs, micro_targets)
+        window = self.objective.prepare_window(model, window)
         targets, tokens = global_target_count(accelerator, self.objective, [t for _, t in window])
         loss_sum, applied = 0.0, True
-        self.objective.before_step(step)
         if accelerator.scaler is not None and self.scale is None:
             self.scale = accelerator.scaler.get_scale()  # fp16: the scale the first step starts from
         for inputs, micro_targets in window:
-            if step == 0:
-                self.objective.check_batch(inputs, micro_targets)
             with accelerator.accumulate(model):
                 micro_loss = self.forward.loss_sum(model, inputs, micro_targets)
                 accelerator.backward(loss_for_backward(accelerator, micro_loss, targets))
@@ -70,7 +72,6 @@ class TrainStep:
             self.scheduler.step()
             if self.ema is not None:
                 self.ema.update_parameters(accelerator.unwrap_model(model))
-        tokens = self.objective.trained_tokens(tokens)
         return StepResult(loss_sum, targets, tokens, grad_norm, applied, self.objective.training_metrics())
 
     def pass_over(self) -> None:

@@ -79,10 +79,12 @@ class Objective:
         """Called before each optimizer step with its number (0 for the first): objective=grpo seeds its
         completions with it."""
 
-    def trained_tokens(self, planned: torch.Tensor) -> torch.Tensor:
-        """What throughput counts of the step just taken, summed over processes: `planned`, throughput_count's of
-        the window, unless the objective learns it only during the step (objective=grpo: its completions)."""
-        return planned
+    def prepare_window(self, model: torch.nn.Module, window: list[tuple[Any, torch.Tensor]]
+                       ) -> list[tuple[Any, torch.Tensor]]:
+        """Called once per optimizer step, before any of it trains, with its micro-batches as (inputs, targets):
+        returns them, with what must exist for the whole window before its targets can be counted (objective=grpo:
+        every completion of the step, written and scored, as inputs, and their labels as targets)."""
+        return window
 
     def with_reference(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> Any:
         """The inputs with what is computed outside the (compiled) step: a reference model's numbers

@@ -1,28 +1,31 @@
 """Group relative policy optimisation (`objective=grpo` with `data=prompts`): reinforcement learning from a reward
 function, on completions the model being trained writes itself (DeepSeekMath's GRPO, as TRL's GRPOTrainer computes
-it with its defaults: num_iterations=1, beta=0).
+it with its defaults: loss_type=dapo, scale_rewards=group, num_iterations=1, beta=0).
 
 Each step, for every prompt of the batch the model writes `num_generations` completions; the reward function scores
 them; a completion's advantage is its reward less the mean of its prompt's group (divided by the group's standard
-deviation, `scale_rewards`), and the loss raises the log-probability of the completions that did better than their
-group and lowers the others':
+deviation, or the global batch's: `scale_rewards`), and the loss raises the log-probability of the completions that
+did better than their group and lowers the others'. Each token's loss is -exp(logp_t - sg(logp_t)) A, and the step's
+loss (`loss_type`):
 
-    per completion:  -(1/|o|) sum_t exp(logp_t - sg(logp_t)) A      loss_type=grpo: a mean over its tokens
-                     -(1/L)   sum_t ...                             loss_type=dr_grpo: L = max_completion_tokens for
-                                                                    all (Dr. GRPO: no bias towards short answers)
+    dapo:     the sum over every completion token of the global batch / their number   (DAPO: no length bias)
+    grpo:     the mean over completions of each one's mean over its tokens    (a short right answer weighs more)
+    dr_grpo:  the sum over tokens / (completions x max_completion_tokens)     (Dr. GRPO: no length bias)
 
-and the step's loss is the mean over the completions of the global batch. The model takes one update per batch of
-completions (num_iterations=1), so the importance ratio exp(logp - sg(logp)) is 1 in value and needs no clipping;
-its gradient is the policy gradient. With objective.beta > 0 each token's loss adds beta x its KL divergence from a
-reference model (TRL's k3 estimate: exp(r) - r - 1, r the reference's log-probability less the policy's): the LoRA
-base with the adapter off, or a frozen copy of the starting weights. The default is none (TRL's beta=0, after DAPO
-and Dr. GRPO).
+The denominators are counts of the whole global batch (src/loop/accumulation.py), so the loss is exact on any
+layout; for dapo every completion of the step is written before any of it trains (prepare_window: the weights
+do not change within a step, so that is what writing each before its own micro-step would draw). The model takes
+one update per batch of completions (num_iterations=1), so the importance ratio exp(logp - sg(logp)) is 1 in value
+and needs no clipping; its gradient is the policy gradient. With objective.beta > 0 each token's loss adds beta x
+its KL divergence from a reference model (TRL's k3 estimate: exp(r) - r - 1, r the reference's log-probability less
+the policy's): the LoRA base with the adapter off, or a frozen copy of the starting weights. The default is none
+(TRL's beta=0, after DAPO and Dr. GRPO). `mask_truncated_completions` (DAPO) trains on no completion cut at
+max_completion_tokens.
 
 Exact, as everything here: a prompt's completions are drawn from a random stream seeded by (objective.seed, the
 step, the prompt's number) alone, so the same prompt gets the same completions on any number of processes and
 micro-batches, a resumed run draws what the run it continues would have drawn, and training's own random state
-(dropout, data order) is left untouched. The loss is a sum over completions divided by the global batch's count of
-them (src/loop/accumulation.py).
+(dropout, data order) is left untouched.
 
 Generation, without gradients or dropout, in the run's precision, one prompt's group at a time (its rows share the
 prompt, so none is padded), through the model's own forward (under FSDP the root module's, which gathers the
@@ -75,6 +78,15 @@ def seed_of(seed: int, step: int, prompt: int) -> int:
     return ((seed * 1_000_003 + step) * 1_000_003 + prompt) % (1 << 63)
 
 
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The logits (rows, vocabulary) with all but each row's nucleus at -inf: its likeliest tokens whose
+    probabilities reach top_p together (Holtzman et al.; transformers' TopPLogitsWarper keeps the same set)."""
+    ordered, order = logits.sort(-1, descending=True)
+    probabilities = ordered.softmax(-1)
+    outside = probabilities.cumsum(-1) - probabilities >= top_p  # the mass before it already reaches top_p
+    return logits.masked_fill(outside.scatter(-1, order, outside), -math.inf)
+
+
 def reward_function(path: str) -> Callable:
     from hydra.utils import get_method
 
@@ -108,11 +120,18 @@ class GRPO(Objective):
                  temperature: Annotated[float, Arg("sampling temperature", gt=0)] = 1.0,
                  top_k: Annotated[Optional[int], Arg("sample from the k likeliest tokens only (null: all)", ge=1)
                                   ] = None,
-                 loss_type: Annotated[Literal["grpo", "dr_grpo"], Arg(
-                     "grpo: each completion's loss a mean over its tokens; dr_grpo: a sum over max_completion_tokens "
-                     "(Dr. GRPO, no length bias)")] = "grpo",
-                 scale_rewards: Annotated[bool, Arg("divide each advantage by its group's reward standard deviation "
-                                                    "(false: Dr. GRPO's unscaled advantages)")] = True,
+                 top_p: Annotated[float, Arg("sample from the likeliest tokens whose probabilities add up to top_p "
+                                             "(nucleus sampling; 1: all)", gt=0, le=1)] = 1.0,
+                 loss_type: Annotated[Literal["dapo", "grpo", "dr_grpo"], Arg(
+                     "dapo: the tokens' loss summed over the global batch's completion tokens (DAPO; TRL's default); "
+                     "grpo: each completion's loss a mean over its tokens (biased towards short right answers and "
+                     "long wrong ones); dr_grpo: a sum over max_completion_tokens (Dr. GRPO)")] = "dapo",
+                 scale_rewards: Annotated[Union[Literal["group", "batch", "none"], bool], Arg(
+                     "divide each advantage by the standard deviation of its group's rewards (group, or true), of "
+                     "the global batch's (batch: PPO-Lite), or by nothing (none, or false: Dr. GRPO)")] = "group",
+                 mask_truncated_completions: Annotated[bool, Arg(
+                     "train on no completion cut at max_completion_tokens (DAPO): its reward judged an unfinished "
+                     "answer")] = False,
                  eval_generations: Annotated[Optional[int], Arg("completions per validation prompt (null: "
                                                                 "num_generations)", ge=1)] = None,
                  beta: Annotated[float, Arg("weight of the per-token KL divergence from the reference model in the "
@@ -144,8 +163,9 @@ class GRPO(Objective):
         self.reward_names = [name.rsplit(".", 1)[-1] for name in names] + (["reward_model"] if reward_model else [])
         self.per_reward = self.reward_names if sources > 1 else []
         self.num_generations, self.max_completion_tokens = num_generations, max_completion_tokens
-        self.temperature, self.top_k, self.loss_type = float(temperature), top_k, loss_type
-        self.scale_rewards = scale_rewards
+        self.temperature, self.top_k, self.top_p, self.loss_type = float(temperature), top_k, float(top_p), loss_type
+        self.scale_rewards = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)
+        self.mask_truncated_completions = mask_truncated_completions
         self.eval_generations, self.seed = eval_generations or num_generations, seed
         self.beta, self.reference_kind, self.reference = beta, reference, None  # the reference: start()
         self.chunk_tokens = chunk_tokens
@@ -165,7 +185,6 @@ class GRPO(Objective):
             raise UsageError(f"objective.max_completion_tokens={self.max_completion_tokens} leaves no room for a "
                              f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
         self._sums = torch.zeros(len(self.trained_metrics), device=accelerator.device)
-        self._tokens = torch.zeros(1, device=accelerator.device)  # the completions' tokens of the step so far
         self.sharded = sharded(accelerator)
         if self.reward_model_path is not None:
             self.reward_model = self._load_reward_model(Path(self.reward_model_path), accelerator.device)
@@ -219,23 +238,59 @@ class GRPO(Objective):
         if not isinstance(inputs, Mapping) or "prompt_tokens" not in inputs:
             raise UsageError("objective=grpo writes completions to prompts: use data=prompts")
 
-    def count(self, targets: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(targets.numel() * self.num_generations)
-
-    def with_reference(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict:
-        """The batch's completions, written and scored: training's at this step, evaluation's at none."""
-        training = model.training
-        group = self.num_generations if training else self.eval_generations
-        rollout = self.rollout(model, inputs, targets, self.step if training else EVALUATION, group)
-        if training:
-            self._tokens += rollout["lengths"].sum()
-            self._sums[:len(METRICS)] += torch.stack([rollout["rewards"].sum(), rollout["group_std"].sum() * group,
+    def prepare_window(self, model: torch.nn.Module, window: list[tuple[Mapping, torch.Tensor]]
+                       ) -> list[tuple[dict, torch.Tensor]]:
+        """The step's completions, every one written and scored before any trains (the weights do not change
+        within a step, so they are what writing each before its own micro-step would give): loss_type=dapo counts
+        their tokens, scale_rewards=batch reads every reward of the global batch. Each micro-batch becomes its
+        completions' rows, targets their labels."""
+        group = self.num_generations
+        rollouts = [self.rollout(model, inputs, targets, self.step, group) for inputs, targets in window]
+        batch_std = self._global_std(torch.cat([r["rewards"] for r in rollouts]))
+        for rollout in rollouts:
+            grouped = rollout["rewards"].view(-1, group)
+            std = grouped.std(-1, keepdim=True)
+            advantages = grouped - grouped.mean(-1, keepdim=True)
+            if self.scale_rewards != "none":
+                advantages = advantages / ((batch_std if self.scale_rewards == "batch" else std) + 1e-4)
+            rollout["advantages"] = advantages.reshape(-1)
+            if self.mask_truncated_completions:  # their tokens neither trained nor counted
+                rollout["labels"][rollout["clipped"].bool()] = IGNORE_INDEX
+            self._sums[:len(METRICS)] += torch.stack([rollout["rewards"].sum(), std.sum() * group,
                                                       rollout["lengths"].sum(), rollout["clipped"].sum()])
             if self.per_reward:  # each reward's sum, unweighted, after kl's place
                 self._sums[len(self.trained_metrics) - len(self.per_reward):] += rollout["scores"].sum(-1)
-            if self.reference is not None:
-                rollout["reference_logps"] = self.reference(model, rollout, targets)
-        return rollout
+        return [(rollout, rollout["labels"]) for rollout in rollouts]
+
+    def _global_std(self, rewards: torch.Tensor) -> Optional[torch.Tensor]:
+        """scale_rewards=batch: the standard deviation of the global batch's rewards (all processes'), the same
+        on any layout: two all-reduces, of the count and sum, then of the squared deviations from their mean."""
+        if self.scale_rewards != "batch":
+            return None
+        reduce = self.accelerator.reduce if self.accelerator.num_processes > 1 else (lambda t, _: t)
+        count, total = reduce(torch.stack([torch.tensor(float(rewards.numel()), device=rewards.device),
+                                           rewards.sum()]), "sum")
+        squares = reduce((rewards - total / count).square().sum(), "sum")
+        return (squares / (count - 1).clamp(min=1)).sqrt()
+
+    def count(self, targets: torch.Tensor) -> torch.Tensor:
+        """Two terms, over the step's labels (prepare_window's targets): the completions (grpo and dr_grpo average
+        over them, and train/* metrics) and their trained tokens (dapo's denominator)."""
+        return torch.stack([torch.tensor(float(len(targets)), device=targets.device),
+                            (targets != IGNORE_INDEX).sum().float()])
+
+    def throughput_count(self, targets: torch.Tensor) -> torch.Tensor:
+        """The completions' tokens trained on: train/tokens_per_second counts those (not the prompts')."""
+        return (targets != IGNORE_INDEX).sum()
+
+    def with_reference(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict:
+        """Evaluation: the batch's completions, written and scored. Training (whose were written by
+        prepare_window): with beta, the reference's log-probabilities of them."""
+        if not model.training:
+            return self.rollout(model, inputs, targets, EVALUATION, self.eval_generations)
+        if self.reference is None:
+            return inputs
+        return {**inputs, "reference_logps": self.reference(model, inputs, targets)}
 
     def model_loss_sum(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
         token_logps = self.token_logps(model, inputs)
@@ -249,8 +304,12 @@ class GRPO(Objective):
             mean_kl = (kl * counted).sum(-1) / counted.sum(-1).clamp(min=1)
             after = len(self.trained_metrics) - len(METRICS) - 1  # each reward's sum, with several
             self._sums = self._sums + F.pad(mean_kl.detach().sum().reshape(1), (len(METRICS), after))
+        per_completion = (per_token * counted).sum(-1)
+        none = torch.zeros((), device=per_completion.device)
+        if self.loss_type == "dapo":  # over the global batch's tokens, count()'s second term
+            return torch.stack([none, per_completion.sum()])
         tokens = counted.sum(-1).clamp(min=1) if self.loss_type == "grpo" else self.max_completion_tokens
-        return ((per_token * counted).sum(-1) / tokens).sum()
+        return torch.stack([(per_completion / tokens).sum(), none])
 
     def token_logps(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
         """(rows, T-1): each row's log-probability of its token t+1 at position t, in fp32; with chunk_tokens
@@ -265,12 +324,6 @@ class GRPO(Objective):
                 for name, key in (("reward", "rewards"), ("completion_length", "lengths"),
                                   ("clipped_ratio", "clipped"))}
 
-    def trained_tokens(self, planned: torch.Tensor) -> torch.Tensor:
-        """The step's completion tokens (what train/tokens_per_second counts), known only once they are written:
-        one all-reduce of a number, on the device."""
-        tokens, self._tokens = self._tokens, torch.zeros_like(self._tokens)
-        return (self.accelerator.reduce(tokens, "sum") if self.accelerator.num_processes > 1 else tokens)[0]
-
     def training_metrics(self) -> dict[str, torch.Tensor]:
         if self._sums is None:
             return {}
@@ -280,8 +333,8 @@ class GRPO(Objective):
     # Completions ---------------------------------------------------------------------------------------------------
 
     def rollout(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor, step: int, group: int) -> dict:
-        """Each prompt's `group` completions (seeded by step and prompt), their rewards and advantages, as rows of
-        prompt then completion padded on the right, labelled on the completion's tokens only."""
+        """Each prompt's `group` completions (seeded by step and prompt) and their rewards, as rows of prompt then
+        completion padded on the right, labelled on the completion's tokens only."""
         inner = self.accelerator.unwrap_model(model, keep_torch_compile=False)
         device, end = inputs["input_ids"].device, self.codec.end_of_text
         prompts, completions = [], []  # token ids per row
@@ -300,15 +353,9 @@ class GRPO(Objective):
         if self.reward_model is not None:
             scores = torch.cat([scores, self._scored(batch)[None]])
         rewards = self.reward_weights.to(device) @ scores  # (sources,) x (sources, completions)
-        grouped = rewards.view(-1, group)
-        std = grouped.std(-1, keepdim=True)
-        advantages = grouped - grouped.mean(-1, keepdim=True)
-        if self.scale_rewards:
-            advantages = advantages / (std + 1e-4)
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=device)
         clipped = torch.tensor([float(not c or c[-1] != end) for c in completions], device=device)
-        return {**batch, "advantages": advantages.reshape(-1), "rewards": rewards, "group_std": std.reshape(-1),
-                "lengths": lengths, "clipped": clipped, "scores": scores}
+        return {**batch, "rewards": rewards, "lengths": lengths, "clipped": clipped, "scores": scores}
 
     def _cropped(self, prompt: torch.Tensor) -> torch.Tensor:
         """The prompt's last tokens that leave room for a whole completion in the model's context."""
@@ -341,6 +388,8 @@ class GRPO(Objective):
             if self.top_k is not None:
                 kth = torch.topk(logits, min(self.top_k, logits.shape[-1])).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, -math.inf)
+            if self.top_p < 1:
+                logits = nucleus(logits, self.top_p)
             context = torch.multinomial(logits.softmax(-1), 1)
             ids = torch.cat([ids, context], dim=1)
             if end is not None and not self.sharded:
