@@ -47,6 +47,25 @@ assert not hasattr(norm, "full_tensor") and torch.allclose(norm, whole_norm), (n
 clipped = {name: plain(p.grad) for name, p in sharded.named_parameters()}
 assert all(torch.allclose(clipped[name], p.grad, atol=1e-6) for name, p in whole.named_parameters())
 
+# A distillation teacher sharded as the student: its weights sharded again after each of its forwards (FSDP2 keeps
+# the root module's own gathered for a backward, which a frozen teacher never takes), and the terms computed in chunks
+# from its output layer gathered again for the student's step: the whole logits' terms.
+from src.objectives.distillation import Distillation  # noqa: E402
+
+teacher = GPT(**{k: v for k, v in config.items() if k != "_target_"})
+for block in teacher.blocks:
+    fully_shard(block, mesh=mesh)
+fully_shard(teacher.requires_grad_(False).eval(), mesh=mesh)
+teacher_sharded, teacher_losses = [], []
+for chunk_tokens in (None, 5):
+    objective = Distillation(teacher="in memory", chunk_tokens=chunk_tokens)
+    objective.teacher, objective.accelerator, objective._sums = teacher, accelerator, torch.zeros(2)
+    inputs = objective.with_reference(sharded, x, y)
+    teacher_sharded.append(all(hasattr(p, "full_tensor") for p in teacher.parameters()))
+    with Forward(objective, compile=False)._output_layer_computes(sharded, inputs, y):
+        teacher_losses.append(Forward(objective, compile=False)._loss_sum(sharded, inputs, y).item())
+assert abs(teacher_losses[0] - teacher_losses[1]) < 1e-5 * abs(teacher_losses[0]), teacher_losses
+
 with tempfile.TemporaryDirectory() as tmp:
     optimizer = torch.optim.AdamW(sharded.parameters(), fused=True)  # found_inf: a bad step changes nothing
     before = {name: plain(p).clone() for name, p in sharded.named_parameters()}
@@ -70,6 +89,7 @@ with tempfile.TemporaryDirectory() as tmp:
         loaded = load_exported_model(export_dir)
         tied = loaded.lm_head.weight is loaded.tok_emb.weight
         same = all(torch.equal(loaded.state_dict()[k], v) for k, v in whole.state_dict().items())
-        print(json.dumps({"tied": tied, "weights_equal": same, "norm": norm.item()}), flush=True)
+        print(json.dumps({"tied": tied, "weights_equal": same, "norm": norm.item(),
+                          "teacher_sharded_after_its_forward": teacher_sharded}), flush=True)
     accelerator.wait_for_everyone()
 accelerator.end_training()

@@ -352,10 +352,12 @@ def test_what_needs_whole_weights_is_refused_under_fsdp_before_training_naming_t
     assert "step 1/" not in proc.stdout and not (run_dir / "checkpoints").exists()
 
 
-def test_clipping_the_nonfinite_check_and_the_export_work_on_sharded_tied_weights():
+def test_clipping_the_nonfinite_check_the_export_and_a_teacher_work_on_sharded_tied_weights():
+    """A distillation teacher's weights are sharded again after each forward (whole logits and chunked)."""
     proc = run([], script="tests/fsdp_paths.py", nproc=2, launcher="torchrun")
     found = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert found["tied"] and found["weights_equal"], found
+    assert found["teacher_sharded_after_its_forward"] == [True, True], found
 
 
 @pytest.mark.parametrize("kind", ["gpt", pytest.param("lora", marks=[pytest.mark.skipif(

@@ -96,9 +96,22 @@ class Distillation(CrossEntropy):
                 # its last hidden states and output layer: the student's turns them into logits chunk by chunk
                 with output_layer_gives_hidden_states(self.teacher) as head:
                     hidden = call_model(self.teacher, inputs)
+                self._reshard_teacher()
                 return {"student": inputs, "teacher_hidden": hidden, "teacher_head": self._held(head[0])}
             teacher_logits = call_model(self.teacher, inputs)
+        self._reshard_teacher()
         return {"student": inputs, "teacher_logits": teacher_logits}
+
+    def _reshard_teacher(self) -> None:
+        """Under FSDP, the teacher's weights back to each rank's shard. FSDP2 keeps the root module's own weights
+        (embeddings, final norm, output layer) gathered after a forward, for the backward that usually follows;
+        none follows a frozen teacher's, so they would stay gathered through the student's step (at 70B with a
+        128k vocabulary, about 4 GB on every GPU)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.teacher.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def _teacher_logits_are_its_output_layers(self, inputs: Any) -> bool:
         """Once, on a prefix of the first micro-batch: whether the teacher's logits are its output layer's product
@@ -146,9 +159,8 @@ class Distillation(CrossEntropy):
         return {"ce": sums[0], "kl": sums[1]}
 
     def _held(self, head: tuple) -> tuple:
-        """The teacher's output layer (weight, bias) as its forward saw them, still held after it: accelerate's
-        FSDP wrapping keeps that layer gathered after a forward without gradients (nothing reshards it before a
-        backward); where the gathered memory was freed, each rank gathers it again."""
+        """The teacher's output layer (weight, bias) as its forward saw them; under FSDP, where _reshard_teacher
+        freed the gathered weight, gathered again (each rank), to be held through the student's step alone."""
         layer = output_layer(self.teacher)
         return tuple(seen if seen is None or seen.untyped_storage().size() > 0 else getattr(layer, name).full_tensor()
                      for seen, name in zip(head, ("weight", "bias")))
