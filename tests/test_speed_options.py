@@ -87,6 +87,32 @@ def test_auto_micro_batch_keeps_the_global_batch_and_the_weights_of_the_configur
     assert sorted(scalars(tmp_path / "auto", "train/loss")) == list(range(1, 10))
 
 
+@pytest.mark.parametrize("objective", ["grpo", "distill", "dpo", "simpo", "cross_entropy"])
+def test_auto_micro_batch_refuses_an_objective_that_runs_more_than_the_model_whose_memory_it_cannot_probe(objective):
+    """A reference model, a teacher, completions: built by the objective's start(), after the probe (which once
+    crashed on a distillation batch). The objectives of the model's passes alone are probed."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from src.loop.auto_batch import runs_beside_the_model
+    from tests.test_config import compose_train
+
+    overrides = {"grpo": ["data=prompts", "objective.seed=0"], "distill": ["objective.teacher=any"]}.get(objective, [])
+    config = compose_train([f"objective={objective}", *overrides])
+    built = instantiate(OmegaConf.to_container(config.objective, resolve=True))
+    assert runs_beside_the_model(built) == (objective in ("grpo", "distill", "dpo"))
+
+
+def test_auto_micro_batch_with_grpo_is_refused_before_training_naming_what_to_give_instead(tmp_path):
+    run_dir = tmp_path / "grpo"
+    proc = run([*SHORT, "data=prompts", "objective=grpo", "trainer.auto_micro_batch=true",
+                f"hydra.run.dir={run_dir}"], check=False)
+    assert proc.returncode != 0
+    named(proc.stdout, "trainer.auto_micro_batch", "GRPO", "completions", "data.batch_size",
+          "trainer.gradient_accumulation_steps", "trainer.auto_micro_batch=false")
+    assert "step 1/" not in proc.stdout and not (run_dir / "checkpoints").exists()
+
+
 ACTIVATIONS = """
 import resource, sys, torch
 from src.launch.accelerator import keep_freed_memory

@@ -29,6 +29,13 @@ def is_out_of_memory(exception: BaseException) -> bool:
     return isinstance(exception, torch.OutOfMemoryError) or should_reduce_batch_size(exception)
 
 
+def runs_beside_the_model(objective: Objective) -> bool:
+    """Whether the objective computes a step's inputs with more than the batch (with_reference, prepare_window),
+    from what only its start() builds once the model is prepared, after the probe."""
+    kind = type(objective)
+    return kind.with_reference is not Objective.with_reference or kind.prepare_window is not Objective.prepare_window
+
+
 def find_micro_batch(accelerator: Accelerator, model: torch.nn.Module, objective: Objective, data,
                      per_process_samples: int) -> int:
     """The largest divisor of per_process_samples whose forward + backward fits on every rank."""
@@ -37,10 +44,12 @@ def find_micro_batch(accelerator: Accelerator, model: torch.nn.Module, objective
                          f"{accelerator.distributed_type} shards it: the probe would measure another layout. Give "
                          "data.batch_size and trainer.gradient_accumulation_steps by hand, with "
                          "trainer.auto_micro_batch=false")
-    if getattr(objective, "reference_kind", None) is not None:
-        raise UsageError("trainer.auto_micro_batch does not probe objective=dpo's reference model, whose memory "
-                         "depends on objective.reference: give data.batch_size and "
-                         "trainer.gradient_accumulation_steps by hand, with trainer.auto_micro_batch=false")
+    if runs_beside_the_model(objective):
+        raise UsageError(f"trainer.auto_micro_batch probes the model's forward and backward passes alone, before the "
+                         f"run starts; the objective ({type(objective).__name__}) also runs a reference model, a "
+                         "teacher or the model's own completions each step, whose memory the probe cannot see: give "
+                         "data.batch_size and trainer.gradient_accumulation_steps by hand, with "
+                         "trainer.auto_micro_batch=false")
     candidates = [b for b in range(per_process_samples, 0, -1) if per_process_samples % b == 0]
     saved_state, saved_rng = copy.deepcopy(model.state_dict()), torch.random.get_rng_state()
     saved_cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None

@@ -123,7 +123,8 @@ class TrainerConfig:
     auto_micro_batch: Annotated[bool, Arg(
         "use the largest per-process micro-batch that fits, with accumulation making up the rest, so the global "
         "batch and the loss stay exactly as configured; chosen once, saved, reused on resume; not under FSDP (it "
-        "probes a whole copy)")] = False
+        "probes a whole copy), nor with dpo, distill or grpo (whose reference, teacher or completions it cannot "
+        "probe)")] = False
     tf32: Annotated[bool, Arg("TF32 tensor cores for fp32 matmuls and convolutions on CUDA (ignored on CPU)")] = True
     ddp_find_unused_parameters: Annotated[bool, Arg(
         "DDP: allow parameters without a gradient in a step (costs a graph traversal per step)")] = False
