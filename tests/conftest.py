@@ -271,6 +271,19 @@ def scalars(run_dir: Path, tag: str) -> dict[int, float]:
     return {e.step: e.value for e in events}
 
 
+def texts(run_dir: Path, tag: str) -> dict[int, str]:
+    """step -> the text a run logged to TensorBoard under `tag` (its text tab)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    acc.Reload()
+    name = f"{tag}/text_summary"
+    if name not in acc.Tags()["tensors"]:
+        return {}
+    return {e.step: make_ndarray(e.tensor_proto).item().decode() for e in acc.Tensors(name)}
+
+
 def short_pairs(path: Path) -> Path:
     """The shipped preference pairs cut short and unequal (each prompt to its last 12 characters, the answers to the
     first 4, 16 or 28 after the speaker's name, pair by pair), so that a batch's answers fit several to a block and

@@ -3,13 +3,14 @@ stream of (seed, step, prompt) alone, so exact on any layout and bitwise on resu
 prompt's group; ended by the end-of-text token, which is trained; a model trained from scratch learns the reward."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from src.errors import UsageError
-from tests.conftest import QUIET, exported_weights, kill_when, max_abs_diff, named, refused, run, scalars
+from tests.conftest import QUIET, exported_weights, kill_when, max_abs_diff, named, refused, run, scalars, texts
 from tests.test_config import compose_train
 from tests.test_preference import chat_model  # noqa: F401  (a fixture)
 
@@ -237,15 +238,28 @@ def test_final_number_rewards_the_number_after_the_last_marker_or_else_the_last_
 
 def test_grpo_teaches_a_model_from_scratch_to_write_what_the_reward_asks(tmp_path):
     """The reward is the share of the completion that is the letter its prompt names: a random model scores about
-    1/256; after 200 steps most of what it writes is the letter asked for."""
+    1/256; after 200 steps most of what it writes is the letter asked for, as each evaluation's completions shown in
+    TensorBoard say."""
     run_dir = tmp_path / "letters"
     log = run(grpo_args(letter_prompts(tmp_path / "letters.jsonl"), run_dir, "objective.num_generations=16",
                         "data.batch_size=4", "trainer.max_steps=200", "trainer.eval_every=100", "trainer.log_every=20",
-                        "trainer.eval_on_start=true")).stdout
+                        "trainer.eval_on_start=true", "objective.log_completions=2")).stdout
     assert "spiked" not in log  # a loss of about 0 is no loss to watch
     reward = scalars(run_dir, "eval/reward")
     assert reward[0] < 0.05 and reward[200] > 0.3, reward
     assert scalars(run_dir, "train/reward_std")[20] > 0 and scalars(run_dir, "train/clipped_ratio")[200] == 1
+
+    shown, best = texts(run_dir, "completions"), {}
+    assert sorted(shown) == [0, 100, 200]
+    for step, text in shown.items():
+        blocks = re.findall(r"\*\*prompt (\d+)\*\* \(reward ([\d.e-]+), 8 tokens, cut at the limit\)\n\n"
+                            r"```\n(write ([abc]):)\n```\n\n```\n(.*?)\n```", text, re.S)
+        assert len(blocks) == 2, text
+        for index, reward_shown, prompt, letter, completion in blocks:
+            share = completion.count(letter) / max(len(completion), 1)
+            assert float(reward_shown) == pytest.approx(share, abs=1e-3), (reward_shown, completion)
+        best[step] = max(float(reward_shown) for _, reward_shown, *_ in blocks)
+    assert best[0] < 0.3 < 0.9 < best[200], shown
 
 
 @pytest.mark.parametrize("options", [(), ("objective.scale_rewards=batch",)], ids=["dapo", "batch_scaled"])

@@ -45,11 +45,17 @@ def evaluate_run(model: torch.nn.Module, ema, loader, accelerator: Accelerator, 
     """The run's evaluation at optimizer step `step`: the model's metrics as eval/*, with trainer.ema_decay its
     average's as eval_ema/*, logged to the trackers and the log."""
     metrics = {f"eval/{k}": v for k, v in evaluate(model, loader, accelerator, forward, progress).items()}
+    texts = forward.objective.evaluation_texts()  # the model's, before the EMA's evaluation replaces them
+    if texts and accelerator.is_main_process:  # TensorBoard only: the other trackers take numbers
+        for tracker in accelerator.trackers:
+            if tracker.name == "tensorboard":
+                tracker.log(texts, step=step)
     if ema is not None:
         with accelerator.autocast():  # the prepared model's precision; the copy was not prepared
             ema_metrics = evaluate(ema.module, loader, accelerator, forward,
                                    lambda doing: progress(f"the EMA's {doing}"))
         metrics.update({f"eval_ema/{k}": v for k, v in ema_metrics.items() if k != "samples"})
+        forward.objective.evaluation_texts()  # the average's: not shown
     accelerator.log(metrics, step=step)
     log.info("step %d: %s", step, ", ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
     return metrics

@@ -91,6 +91,11 @@ class Objective:
         (objective=grpo: the completions themselves, written and scored)."""
         return inputs
 
+    def evaluation_texts(self) -> dict[str, str]:
+        """name -> Markdown that the last evaluation showed this rank (objective=grpo: completions and their
+        rewards), logged by rank 0 to TensorBoard's text tab; called after each evaluation on every rank."""
+        return {}
+
     def training_metrics(self) -> dict[str, torch.Tensor]:
         """name -> this rank's sum over the samples trained on since the last call, for metrics besides the loss
         that training reports (averaged over the samples of those steps' global batches)."""

@@ -48,6 +48,7 @@ Evaluation writes eval_generations completions per validation prompt from a stre
 reports eval/reward (the default trainer.monitor, higher better), eval/completion_length, eval/clipped_ratio.
 """
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -144,6 +145,9 @@ class GRPO(Objective):
                      "layer this many tokens at a time, so that the fp32 logits of a whole micro-batch of "
                      "completions are never held (large vocabularies; src/objectives/chunked.py); null: at once",
                      ge=1)] = None,
+                 log_completions: Annotated[int, Arg(
+                     "at each evaluation, show this many validation prompts with their first completion and its "
+                     "reward in TensorBoard's text tab (rank 0's first prompts; 0: none)", ge=0)] = 4,
                  seed: Annotated[int, Arg("seeds the completions (with the step and the prompt's number)")] = 0,
                  target_key: Annotated[str, Arg("the batch key numbering the prompts")] = "prompt_index"):
         super().__init__(target_key=target_key)
@@ -169,6 +173,7 @@ class GRPO(Objective):
         self.eval_generations, self.seed = eval_generations or num_generations, seed
         self.beta, self.reference_kind, self.reference = beta, reference, None  # the reference: start()
         self.chunk_tokens = chunk_tokens
+        self.log_completions, self._shown = log_completions, []  # evaluation's completions shown (Markdown each)
         self.trained_metrics = METRICS + (("kl",) if beta else ()) + tuple(f"rewards/{n}" for n in self.per_reward)
         self.step = 0  # the optimizer step being taken (before_step)
         self._sums: Optional[torch.Tensor] = None  # METRICS summed over the completions trained on since last read
@@ -287,7 +292,9 @@ class GRPO(Objective):
         """Evaluation: the batch's completions, written and scored. Training (whose were written by
         prepare_window): with beta, the reference's log-probabilities of them."""
         if not model.training:
-            return self.rollout(model, inputs, targets, EVALUATION, self.eval_generations)
+            rollout = self.rollout(model, inputs, targets, EVALUATION, self.eval_generations)
+            self._show(rollout, targets.tolist())
+            return rollout
         if self.reference is None:
             return inputs
         return {**inputs, "reference_logps": self.reference(model, inputs, targets)}
@@ -323,6 +330,24 @@ class GRPO(Objective):
         return {name: (inputs[key].view(per_prompt, -1).sum(-1), weight)
                 for name, key in (("reward", "rewards"), ("completion_length", "lengths"),
                                   ("clipped_ratio", "clipped"))}
+
+    def _show(self, rollout: dict, indices: list[int]) -> None:
+        """The first completion of each of the batch's prompts, until log_completions are kept."""
+        end, group = self.codec.end_of_text, self.eval_generations
+        for index, row in zip(indices, range(0, len(rollout["input_ids"]), group)):
+            if len(self._shown) >= self.log_completions:
+                return
+            prompt = self.rows[index]["prompt"]
+            written = rollout["input_ids"][row][rollout["labels"][row] != IGNORE_INDEX].tolist()
+            text = self.codec.decode(written[:-1] if written[-1:] == [end] else written)
+            self._shown.append(f"**prompt {index}** (reward {rollout['rewards'][row].item():.4g}, {len(written)} "
+                               f"tokens{'' if written[-1:] == [end] else ', cut at the limit'})\n\n"
+                               f"```\n{prompt if isinstance(prompt, str) else json.dumps(prompt)}\n```\n\n"
+                               f"```\n{text}\n```")
+
+    def evaluation_texts(self) -> dict[str, str]:
+        shown, self._shown = self._shown, []
+        return {"completions": "\n\n".join(shown)} if shown else {}
 
     def training_metrics(self) -> dict[str, torch.Tensor]:
         if self._sums is None:
