@@ -18,11 +18,12 @@ GPT = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size
 LETTERS = "tests.grpo_rewards.letter_share"
 
 
-def letter_prompts(path: Path, n: int = 64) -> Path:
-    """Prompts asking for one of three letters, with the letter beside each (the reward's column)."""
-    letters = "abc"
-    path.write_text("".join(json.dumps({"prompt": f"write {letters[i % 3]}:", "letter": letters[i % 3]}) + "\n"
-                            for i in range(n)))
+def letter_prompts(path: Path, n: int = 64, varied: bool = False) -> Path:
+    """Prompts asking for one of three letters, with the letter beside each (the reward's column); `varied`: of
+    several lengths (written together, left-padded)."""
+    letters, openings = "abc", ["", "now ", "please, now "] if varied else [""]
+    path.write_text("".join(json.dumps({"prompt": f"{openings[i % len(openings)]}write {letters[i % 3]}:",
+                                        "letter": letters[i % 3]}) + "\n" for i in range(n)))
     return path
 
 
@@ -72,8 +73,9 @@ class WritesTheEndOften(torch.nn.Module):
         super().__init__()
         self.gpt, self.end = gpt, end
 
-    def forward(self, input_ids, attention_mask=None):
-        return self.gpt(input_ids) + 3.0 * torch.nn.functional.one_hot(torch.tensor(self.end), 256)
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return self.gpt(input_ids, position_ids=position_ids) + 3.0 * torch.nn.functional.one_hot(
+            torch.tensor(self.end), 256)
 
 
 def written(objective, model, batch: tuple[dict, torch.Tensor]) -> dict:
@@ -87,8 +89,8 @@ def completions(rollout: dict) -> list[list[int]]:
 
 
 def test_a_prompts_completions_are_drawn_from_its_number_and_the_step_alone_and_scored_against_its_group():
-    """The same prompt at the same step gets the same completions alone or beside another prompt (so any layout
-    draws the same), other ones at another step; training's random state is left as it was; each group's
+    """The same prompt at the same step gets the same completions alone or beside another prompt (from its own
+    stream), other ones at another step; training's random state is left as it was; each group's
     advantages are its rewards less their mean, over their standard deviation."""
     data = Data(["write a:", "hello there, write a:"])
     objective, model = objective_and_model(data)
@@ -265,9 +267,9 @@ def test_grpo_teaches_a_model_from_scratch_to_write_what_the_reward_asks(tmp_pat
 @pytest.mark.parametrize("options", [(), ("objective.scale_rewards=batch",)], ids=["dapo", "batch_scaled"])
 def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resumes_bitwise(tmp_path, options):
     """2 processes of 2 prompts train the weights (1e-5) and log the rewards of 1 process accumulating 2 micro-
-    batches (dapo's token count and scale_rewards=batch's deviation are the global batch's); a run killed after a
-    checkpoint resumes to the same rewards and weights, bitwise."""
-    prompts = letter_prompts(tmp_path / "letters.jsonl")
+    batches (dapo's token count and scale_rewards=batch's deviation are the global batch's; prompts of several
+    lengths written together); a run killed after a checkpoint resumes to the same rewards and weights, bitwise."""
+    prompts = letter_prompts(tmp_path / "letters.jsonl", varied=True)
     common = [*QUIET, "data.batch_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3", *options]
     one, two, killed = (tmp_path / name for name in ("one", "two", "killed"))
     run(grpo_args(prompts, one, *common, "trainer.gradient_accumulation_steps=2"))
@@ -359,7 +361,7 @@ def test_a_transformers_model_trains_the_same_under_fsdp_as_on_one_process_and_w
 
 def test_a_transformers_model_writes_with_its_kv_cache_what_it_writes_reading_its_whole_context(pretrained):
     """The cached path (a transformers model) samples the same tokens as re-reading the whole context each time,
-    rows that wrote <|endoftext|> among them."""
+    rows that wrote <|endoftext|> among them, prompts of several lengths left-padded together."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -371,23 +373,52 @@ def test_a_transformers_model_writes_with_its_kv_cache_what_it_writes_reading_it
             super().__init__()
             self.model = model
 
-        def forward(self, input_ids):
-            return self.model(input_ids=input_ids).logits
+        def forward(self, input_ids, position_ids=None):
+            mask = None if position_ids is None else (input_ids != 0).long()  # the pads: id 0, never in a prompt
+            return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask).logits
 
     model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
     data = Data(["x"])
     data.codec, data.block_size = codec_for(str(pretrained)), 64
     objective = GRPO(reward=LETTERS, max_completion_tokens=40, temperature=20.0)
     objective.start(Accelerator(cpu=True), model, data, None, None)
-    prompt = torch.tensor([data.codec.encode("write a:")] * 8)
+    prompts = [torch.tensor(data.codec.encode(text)) for text in ("write a:", "and now, please, write b:")]
+    assert len(prompts[0]) < len(prompts[1]) and 0 not in torch.cat(prompts)
     written = []
     for generator in (model, Uncached(model)):
-        torch.manual_seed(1)
+        streams = [torch.Generator().manual_seed(i) for i in range(2)]
         with torch.no_grad():
-            written.append(objective._generate(generator, prompt))
-    assert torch.equal(written[0], written[1][:, :written[0].shape[1]])
+            written.append(objective._generate(generator, prompts, streams, 4))
+    assert written[0] == [row[:len(cached)] for row, cached in zip(written[1], written[0])]
     end = data.codec.end_of_text
-    assert (written[0][:, prompt.shape[1]:] == end).any(), "no row ended: nothing shows the stop"
+    assert any(row[-1] == end for row in written[0]), "no row ended: nothing shows the stop"
+
+
+@pytest.mark.parametrize("kind", ["gpt", "transformers"])
+def test_prompts_written_together_left_padded_draw_what_each_draws_alone(kind, pretrained):
+    """generation_batch=micro_batch: each prompt's completions, drawn from its own stream beside prompts of other
+    lengths, are (but for rounding) those it draws alone; training's random state is left as it was."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from src.data.tokenizer import codec_for
+
+    texts = ["write a:", "a longer one, b:", "c:"]
+    data = Data(texts)
+    objective, model = objective_and_model(data, max_completion_tokens=12)
+    if kind == "transformers":
+        model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+        data.codec = codec_for(str(pretrained))
+        objective.start(Accelerator(cpu=True), model, data, None, None)
+    prompts = [torch.tensor(data.codec.encode(text)) for text in texts]
+    state = torch.get_rng_state()
+    with torch.no_grad():
+        together = objective._generate(model, prompts, [torch.Generator().manual_seed(i) for i in range(3)], 8)
+        alone = [row for i, prompt in enumerate(prompts)
+                 for row in objective._generate(model, [prompt], [torch.Generator().manual_seed(i)], 8)]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert sum(a == b for a, b in zip(together, alone)) >= 22, (together, alone)  # of 24: rounding may flip a draw
+    assert len({tuple(row) for row in together}) > 12  # written, not copied
 
 
 def test_a_reward_model_scores_each_completion_at_its_last_token_as_objective_reward_trained_it():

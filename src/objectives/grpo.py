@@ -22,18 +22,21 @@ the policy's): the LoRA base with the adapter off, or a frozen copy of the start
 (TRL's beta=0, after DAPO and Dr. GRPO). `mask_truncated_completions` (DAPO) trains on no completion cut at
 max_completion_tokens.
 
-Exact, as everything here: a prompt's completions are drawn from a random stream seeded by (objective.seed, the
-step, the prompt's number) alone, so the same prompt gets the same completions on any number of processes and
-micro-batches, a resumed run draws what the run it continues would have drawn, and training's own random state
+Exact, as everything here: a prompt's completions are drawn from its own random stream, seeded by (objective.seed,
+the step, the prompt's number) alone, so the same prompt gets the same completions on any number of processes and
+micro-steps, a resumed run draws what the run it continues would have drawn, and training's own random state
 (dropout, data order) is left untouched.
 
-Generation, without gradients or dropout, in the run's precision, one prompt's group at a time (its rows share the
-prompt, so none is padded), through the model's own forward (under FSDP the root module's, which gathers the
-weights): a transformers model with its KV cache, our GPT over its whole context. A completion ends at the
-tokenizer's end-of-text token, which it is trained to write, or after max_completion_tokens; under FSDP every rank
-writes max_completion_tokens (each pass is a collective), and what follows an end is dropped. Generation is a
-step's slow part: TRL and OpenRLHF hand it to vLLM for large models; here it stays in the training process (one copy
-of the weights, nothing to synchronise), which suits small models.
+Generation, without gradients or dropout, in the run's precision, through the model's own forward (under FSDP the
+root module's, which gathers the weights): a transformers model with its KV cache, our GPT over its whole context.
+The micro-batch's prompts are written together, left-padded to the longest, each from its own stream (2.2 times the
+walkthrough's tokens/s of one prompt's group at a time, the same draws): a micro-batch holds the same prompts on
+every layout of the same data.batch_size, so the padding, and what rounding it brings, is the same there too.
+generation_batch=prompt writes one prompt's group at a time (unpadded; a model without position_ids does so).
+A completion ends at the tokenizer's end-of-text token, which it is trained to write, or after
+max_completion_tokens; under FSDP every rank writes max_completion_tokens (each pass is a collective), and what
+follows an end is dropped. Generation is a step's slow part: TRL and OpenRLHF hand it to vLLM for large models; here
+it stays in the training process (one copy of the weights, nothing to synchronise), which suits small models.
 
 The reward function (`objective.reward`, a dotted path) has TRL's signature: reward(prompts, completions,
 **columns) -> one float per completion. `prompts` are the rows' prompts as the file writes them (strings or message
@@ -48,6 +51,7 @@ Evaluation writes eval_generations completions per validation prompt from a stre
 reports eval/reward (the default trainer.monitor, higher better), eval/completion_length, eval/clipped_ratio.
 """
 
+import inspect
 import json
 import logging
 import math
@@ -86,6 +90,11 @@ def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     probabilities = ordered.softmax(-1)
     outside = probabilities.cumsum(-1) - probabilities >= top_p  # the mass before it already reaches top_p
     return logits.masked_fill(outside.scatter(-1, order, outside), -math.inf)
+
+
+def takes_position_ids(model: torch.nn.Module) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's own
+    return "position_ids" in inspect.signature(base.forward).parameters
 
 
 def reward_function(path: str) -> Callable:
@@ -148,6 +157,10 @@ class GRPO(Objective):
                  log_completions: Annotated[int, Arg(
                      "at each evaluation, show this many validation prompts with their first completion and its "
                      "reward in TensorBoard's text tab (rank 0's first prompts; 0: none)", ge=0)] = 4,
+                 generation_batch: Annotated[Literal["micro_batch", "prompt"], Arg(
+                     "micro_batch: the micro-batch's prompts written together (left-padded; the same on any "
+                     "layout of the same data.batch_size); prompt: one prompt's group at a time, slower, its "
+                     "completions never touched by its neighbours' padding (the kernels' rounding)")] = "micro_batch",
                  seed: Annotated[int, Arg("seeds the completions (with the step and the prompt's number)")] = 0,
                  target_key: Annotated[str, Arg("the batch key numbering the prompts")] = "prompt_index"):
         super().__init__(target_key=target_key)
@@ -173,6 +186,7 @@ class GRPO(Objective):
         self.eval_generations, self.seed = eval_generations or num_generations, seed
         self.beta, self.reference_kind, self.reference = beta, reference, None  # the reference: start()
         self.chunk_tokens = chunk_tokens
+        self.generation_batch = generation_batch
         self.log_completions, self._shown = log_completions, []  # evaluation's completions shown (Markdown each)
         self.trained_metrics = METRICS + (("kl",) if beta else ()) + tuple(f"rewards/{n}" for n in self.per_reward)
         self.step = 0  # the optimizer step being taken (before_step)
@@ -191,6 +205,11 @@ class GRPO(Objective):
                              f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
         self._sums = torch.zeros(len(self.trained_metrics), device=accelerator.device)
         self.sharded = sharded(accelerator)
+        if self.generation_batch == "micro_batch" and not takes_position_ids(accelerator.unwrap_model(model)):
+            self.generation_batch = "prompt"
+            if accelerator.is_main_process:
+                log.info("objective.generation_batch=micro_batch: the model's forward takes no position_ids, which "
+                         "prompts of several lengths written together need: one prompt's group at a time")
         if self.reward_model_path is not None:
             self.reward_model = self._load_reward_model(Path(self.reward_model_path), accelerator.device)
         if self.beta:
@@ -361,23 +380,25 @@ class GRPO(Objective):
         """Each prompt's `group` completions (seeded by step and prompt) and their rewards, as rows of prompt then
         completion padded on the right, labelled on the completion's tokens only."""
         inner = self.accelerator.unwrap_model(model, keep_torch_compile=False)
-        device, end = inputs["input_ids"].device, self.codec.end_of_text
-        prompts, completions = [], []  # token ids per row
+        device = inputs["input_ids"].device
+        prompts = [self._cropped(ids[:length]) for ids, length in zip(inputs["input_ids"],
+                                                                      inputs["prompt_tokens"].tolist())]
+        # Each prompt's own random stream: the same draws whatever else is generated beside it, and training's
+        # random state untouched.
+        streams = [torch.Generator(device).manual_seed(seed_of(self.seed, step, index)) for index in targets.tolist()]
         with evaluating(inner), self.accelerator.autocast():
-            for ids, length, index in zip(inputs["input_ids"], inputs["prompt_tokens"].tolist(), targets.tolist()):
-                prompt = self._cropped(ids[:length])
-                with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                    torch.manual_seed(seed_of(self.seed, step, index))
-                    written = self._generate(inner, prompt.expand(group, -1))
-                for row in written[:, prompt.shape[1]:].tolist():
-                    cut = row.index(end) + 1 if end is not None and end in row else len(row)  # the end token kept
-                    prompts.append(prompt[0].tolist())
-                    completions.append(row[:cut])
-        batch = self._rows(prompts, completions, device)
+            if self.generation_batch == "prompt":
+                completions = [row for prompt, stream in zip(prompts, streams)
+                               for row in self._generate(inner, [prompt], [stream], group)]
+            else:
+                completions = self._generate(inner, prompts, streams, group)
+        prompt_rows = [prompt.tolist() for prompt in prompts for _ in range(group)]
+        batch = self._rows(prompt_rows, completions, device)
         scores = self._function_scores(targets.tolist(), completions, group).to(device)
         if self.reward_model is not None:
             scores = torch.cat([scores, self._scored(batch)[None]])
         rewards = self.reward_weights.to(device) @ scores  # (sources,) x (sources, completions)
+        end = self.codec.end_of_text
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=device)
         clipped = torch.tensor([float(not c or c[-1] != end) for c in completions], device=device)
         return {**batch, "rewards": rewards, "lengths": lengths, "clipped": clipped, "scores": scores}
@@ -390,38 +411,58 @@ class GRPO(Objective):
                         "objective.max_completion_tokens=%d fits data.block_size=%d (logged once)", len(prompt),
                         room, self.max_completion_tokens, self.block_size)
             self._cropped_logged = True
-        return prompt[-room:].unsqueeze(0)
+        return prompt[-room:]
 
-    def _generate(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        """(G, P) prompt rows -> (G, P + n) with n <= max_completion_tokens sampled tokens (torch's global RNG).
+    def _generate(self, model: torch.nn.Module, prompts: list[torch.Tensor], streams: list[torch.Generator],
+                  group: int) -> list[list[int]]:
+        """`group` completions of each prompt (token ids, the end token kept, none after it), each prompt's drawn
+        from its own stream, all prompts written together: left-padded to the longest, with position ids that
+        start at each one's first token.
 
         Not transformers' generate: it would apply a pretrained generation_config's processors (a repetition
         penalty, top_p) that objective.* does not name, and under FSDP with a LoRA adapter it bypasses the root
         module whose forward gathers the weights. A transformers model (or peft's wrapper of one) is called with
-        its KV cache; ours reads its whole context each time. Sampling stops once every row has written the end
-        token, except under FSDP, where every rank must make the same number of passes."""
-        end = self.codec.end_of_text
-        cached, cache, context = hasattr(model, "generation_config"), None, ids
-        ended = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+        its KV cache; ours reads its whole context each time (a left pad is a document of its own there). Sampling
+        stops once every row has written the end token, except under FSDP, where every rank must make the same
+        number of passes."""
+        end, device = self.codec.end_of_text, prompts[0].device
+        width = max(len(prompt) for prompt in prompts)
+        ids = torch.stack([F.pad(prompt, (width - len(prompt), 0)) for prompt in prompts]).repeat_interleave(group, 0)
+        padded = any(len(prompt) < width for prompt in prompts)
+        lengths = torch.tensor([len(prompt) for prompt in prompts], device=device).repeat_interleave(group)
+        attention = (torch.arange(width, device=device) >= width - lengths[:, None]).long()
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cached, cache, context, new_positions = hasattr(model, "generation_config"), None, ids, positions
+        ended = torch.zeros(len(ids), dtype=torch.bool, device=device)
         for _ in range(self.max_completion_tokens):
             if cached:
-                output = model(input_ids=context, past_key_values=cache, use_cache=True)
+                where = {"attention_mask": attention, "position_ids": new_positions} if padded else {}
+                output = model(input_ids=context, past_key_values=cache, use_cache=True, **where)
                 logits, cache = output.logits[:, -1], output.past_key_values
             else:
-                logits = call_model(model, ids)[:, -1]
+                logits = call_model(model, {"input_ids": ids, "position_ids": positions} if padded else ids)[:, -1]
             logits = logits.float() / self.temperature
             if self.top_k is not None:
                 kth = torch.topk(logits, min(self.top_k, logits.shape[-1])).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, -math.inf)
             if self.top_p < 1:
                 logits = nucleus(logits, self.top_p)
-            context = torch.multinomial(logits.softmax(-1), 1)
+            probabilities = logits.softmax(-1)
+            context = torch.cat([torch.multinomial(rows, 1, generator=stream) for rows, stream in
+                                 zip(probabilities.split(group), streams)])
             ids = torch.cat([ids, context], dim=1)
+            new_positions = positions[:, -1:] + 1
+            positions = torch.cat([positions, new_positions], dim=1)
+            attention = torch.cat([attention, torch.ones_like(context)], dim=1)
             if end is not None and not self.sharded:
                 ended |= context[:, 0] == end
                 if ended.all():  # a host read per token, as transformers' generate makes
                     break
-        return ids
+        completions = []
+        for row in ids[:, width:].tolist():
+            cut = row.index(end) + 1 if end is not None and end in row else len(row)  # the end token kept
+            completions.append(row[:cut])
+        return completions
 
     def _scored(self, batch: dict) -> torch.Tensor:
         """The reward model's value at each row's last token, the end-of-text token where the completion wrote it
