@@ -10,7 +10,18 @@ import pytest
 import torch
 
 from src.errors import UsageError
-from tests.conftest import QUIET, exported_weights, kill_when, max_abs_diff, named, refused, run, scalars, texts
+from tests.conftest import (
+    PRETRAINED_VOCAB,
+    QUIET,
+    exported_weights,
+    kill_when,
+    max_abs_diff,
+    named,
+    refused,
+    run,
+    scalars,
+    texts,
+)
 from tests.test_config import compose_train
 from tests.test_preference import chat_model  # noqa: F401  (a fixture)
 
@@ -359,9 +370,10 @@ def test_a_transformers_model_trains_the_same_under_fsdp_as_on_one_process_and_w
     named(proc.stdout, "objective.reference=copy", "FSDP", "model.peft")
 
 
-def test_a_transformers_model_writes_with_its_kv_cache_what_it_writes_reading_its_whole_context(pretrained):
-    """The cached path (a transformers model) samples the same tokens as re-reading the whole context each time,
-    rows that wrote <|endoftext|> among them, prompts of several lengths left-padded together."""
+@pytest.mark.parametrize("kind", ["transformers", "gpt"])
+def test_a_model_writes_with_its_kv_cache_what_it_writes_reading_its_whole_context(kind, pretrained):
+    """The cached path (a transformers model's cache, or our GPT's) samples the same tokens as re-reading the whole
+    context each time, rows that wrote <|endoftext|> among them, prompts of several lengths left-padded together."""
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
@@ -374,13 +386,23 @@ def test_a_transformers_model_writes_with_its_kv_cache_what_it_writes_reading_it
             self.model = model
 
         def forward(self, input_ids, position_ids=None):
+            if kind == "gpt":
+                return self.model(input_ids, position_ids=position_ids)
             mask = None if position_ids is None else (input_ids != 0).long()  # the pads: id 0, never in a prompt
             return self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask).logits
 
-    model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
     data = Data(["x"])
     data.codec, data.block_size = codec_for(str(pretrained)), 64
-    objective = GRPO(reward=LETTERS, max_completion_tokens=40, temperature=20.0)
+    if kind == "transformers":
+        model = AutoModelForCausalLM.from_pretrained(pretrained).eval()
+    else:
+        from src.models.gpt import GPT as Model
+
+        torch.manual_seed(0)
+        model = Model(vocab_size=PRETRAINED_VOCAB, block_size=64, n_layer=2, n_head=2, n_embd=32).eval()
+        with torch.no_grad():
+            model.lm_head.weight[data.codec.end_of_text] *= 8  # some rows end
+    objective = GRPO(reward=LETTERS, max_completion_tokens=40, temperature=20.0 if kind == "transformers" else 1.0)
     objective.start(Accelerator(cpu=True), model, data, None, None)
     prompts = [torch.tensor(data.codec.encode(text)) for text in ("write a:", "and now, please, write b:")]
     assert len(prompts[0]) < len(prompts[1]) and 0 not in torch.cat(prompts)
@@ -392,6 +414,38 @@ def test_a_transformers_model_writes_with_its_kv_cache_what_it_writes_reading_it
     assert written[0] == [row[:len(cached)] for row, cached in zip(written[1], written[0])]
     end = data.codec.end_of_text
     assert any(row[-1] == end for row in written[0]), "no row ended: nothing shows the stop"
+
+
+def test_our_gpt_reads_its_kv_cache_as_it_reads_the_whole_context_and_generates_past_its_block():
+    """The template's GPT with a KVCache: the context read once, then one token per pass, gives the logits of the
+    whole context (rows left-padded with position ids too); GPT.generate (sample.py) draws nanoGPT's uncached
+    tokens, and past block_size slides its window as nanoGPT does."""
+    import torch.nn.functional as F
+
+    from src.models.gpt import GPT as Model
+    from src.models.gpt import KVCache
+
+    torch.manual_seed(0)
+    model = Model(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32).eval()
+    ids = torch.randint(1, 256, (3, 12))
+    positions = torch.tensor([[0] * 4 + list(range(8)), [0, 0] + list(range(10)), list(range(12))])
+    with torch.no_grad():
+        for where in ({}, {"position_ids": positions}):
+            whole, cache = model(ids, **where), KVCache()
+            read = [model(ids[:, :6], cache=cache, **{k: v[:, :6] for k, v in where.items()})]
+            read += [model(ids[:, t:t + 1], cache=cache, **{k: v[:, t:t + 1] for k, v in where.items()})
+                     for t in range(6, 12)]
+            torch.testing.assert_close(torch.cat(read, dim=1), whole, rtol=1e-5, atol=1e-5)
+
+        prompt = torch.randint(1, 256, (2, 5))
+        torch.manual_seed(1)
+        generated = model.generate(prompt, 20, temperature=0.7)
+        torch.manual_seed(1)
+        uncached = prompt
+        for _ in range(20):  # nanoGPT's sample.py: the whole (cropped) context at each token
+            logits = model(uncached[:, -16:])[:, -1] / 0.7
+            uncached = torch.cat([uncached, torch.multinomial(F.softmax(logits, dim=-1), 1)], dim=1)
+    assert generated.shape == (2, 25) and torch.equal(generated, uncached)
 
 
 @pytest.mark.parametrize("kind", ["gpt", "transformers"])

@@ -28,7 +28,7 @@ micro-steps, a resumed run draws what the run it continues would have drawn, and
 (dropout, data order) is left untouched.
 
 Generation, without gradients or dropout, in the run's precision, through the model's own forward (under FSDP the
-root module's, which gathers the weights): a transformers model with its KV cache, our GPT over its whole context.
+root module's, which gathers the weights), with a KV cache (a transformers model's, or src/models/gpt.py's).
 The micro-batch's prompts are written together, left-padded to the longest, each from its own stream (2.2 times the
 walkthrough's tokens/s of one prompt's group at a time, the same draws): a micro-batch holds the same prompts on
 every layout of the same data.batch_size, so the padding, and what rounding it brings, is the same there too.
@@ -66,6 +66,7 @@ from src.data.base import IGNORE_INDEX
 from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
 from src.loop.batches import call_model
+from src.models.gpt import KVCache
 from src.objectives.base import Objective, PerSample
 from src.objectives.preference import model_answer_logps
 from src.objectives.reference import AdapterOff, FrozenCopy, Reference, evaluating
@@ -92,9 +93,10 @@ def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(outside.scatter(-1, order, outside), -math.inf)
 
 
-def takes_position_ids(model: torch.nn.Module) -> bool:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's own
-    return "position_ids" in inspect.signature(base.forward).parameters
+def takes(model: torch.nn.Module, argument: str) -> bool:
+    """Whether the model's forward (a peft model's base's) takes `argument`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return argument in inspect.signature(base.forward).parameters
 
 
 def reward_function(path: str) -> Callable:
@@ -205,7 +207,7 @@ class GRPO(Objective):
                              f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
         self._sums = torch.zeros(len(self.trained_metrics), device=accelerator.device)
         self.sharded = sharded(accelerator)
-        if self.generation_batch == "micro_batch" and not takes_position_ids(accelerator.unwrap_model(model)):
+        if self.generation_batch == "micro_batch" and not takes(accelerator.unwrap_model(model), "position_ids"):
             self.generation_batch = "prompt"
             if accelerator.is_main_process:
                 log.info("objective.generation_batch=micro_batch: the model's forward takes no position_ids, which "
@@ -422,7 +424,8 @@ class GRPO(Objective):
         Not transformers' generate: it would apply a pretrained generation_config's processors (a repetition
         penalty, top_p) that objective.* does not name, and under FSDP with a LoRA adapter it bypasses the root
         module whose forward gathers the weights. A transformers model (or peft's wrapper of one) is called with
-        its KV cache; ours reads its whole context each time (a left pad is a document of its own there). Sampling
+        its KV cache, ours (src/models/gpt.py) with its own (a left pad is a document of its own there), any other
+        model with its whole context each time. Sampling
         stops once every row has written the end token, except under FSDP, where every rank must make the same
         number of passes."""
         end, device = self.codec.end_of_text, prompts[0].device
@@ -432,13 +435,18 @@ class GRPO(Objective):
         lengths = torch.tensor([len(prompt) for prompt in prompts], device=device).repeat_interleave(group)
         attention = (torch.arange(width, device=device) >= width - lengths[:, None]).long()
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cached, cache, context, new_positions = hasattr(model, "generation_config"), None, ids, positions
+        transformers_cache = hasattr(model, "generation_config")
+        ours = None if transformers_cache or not takes(model, "cache") else KVCache()  # src/models/gpt.py's
+        cache, context, new_positions = None, ids, positions
         ended = torch.zeros(len(ids), dtype=torch.bool, device=device)
         for _ in range(self.max_completion_tokens):
-            if cached:
+            if transformers_cache:
                 where = {"attention_mask": attention, "position_ids": new_positions} if padded else {}
                 output = model(input_ids=context, past_key_values=cache, use_cache=True, **where)
                 logits, cache = output.logits[:, -1], output.past_key_values
+            elif ours is not None:
+                where = {"position_ids": new_positions} if padded else {}
+                logits = call_model(model, {"input_ids": context, "cache": ours, **where})[:, -1]
             else:
                 logits = call_model(model, {"input_ids": ids, "position_ids": positions} if padded else ids)[:, -1]
             logits = logits.float() / self.temperature
