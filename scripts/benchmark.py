@@ -1,4 +1,4 @@
-"""Is the template as fast and as exact as the alternatives? Fifteen benchmarks, one module each in
+"""Is the template as fast and as exact as the alternatives? Sixteen benchmarks, one module each in
 scripts/benchmarks/ (its docstring says what it compares and how both sides are measured); results in
 scripts/BENCHMARKS.md.
 
@@ -17,6 +17,7 @@ scripts/BENCHMARKS.md.
     python scripts/benchmark.py schedules                                 # one WSD run's decays vs cosine runs
     python scripts/benchmark.py distill                                   # a student distilled vs the data alone
     python scripts/benchmark.py teacher-memory                            # FSDP2: a teacher in slices vs whole
+    python scripts/benchmark.py grpo                                      # GRPO: prompts together vs TRL
     python scripts/benchmark.py parity --device cuda --mixed-precision bf16 --peak-tflops 989 \
         model.n_layer=12 model.n_head=12 model.n_embd=768 model.block_size=1024 data.batch_size=16
 
@@ -33,6 +34,7 @@ from scripts.benchmarks import (  # noqa: E402
     data,
     distill,
     gpu,
+    grpo,
     loss_memory,
     nanogpt,
     optimizers,
@@ -48,7 +50,7 @@ from scripts.benchmarks import (  # noqa: E402
 from scripts.benchmarks.common import ROOT  # noqa: E402
 
 BENCHMARKS = (parity, nanogpt, startup, checkpoint, gpu, stop_vote, scale, loss_memory, packing, data,
-              preference, optimizers, schedules, distill, teacher_memory)
+              preference, optimizers, schedules, distill, teacher_memory, grpo)
 
 
 def main() -> None:

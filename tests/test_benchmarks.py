@@ -124,8 +124,11 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
     (["teacher-memory", "--teachers", "2x64"],
      lambda r: len(r["teacher 2x64"]["export, read in slices: MiB per rank over a tiny teacher's run"]) == 2
      and r["teacher 2x64"]["teacher_mib"]),
+    (["grpo", "--repeats", "1", "--steps", "6", "--layers", "1", "--width", "64", "--prompts", "2", "--generations",
+      "2", "--completion", "8", "--log-every", "2"],
+     lambda r: r["ours micro_batch over trl, step time"] * r["ours prompt over trl, step time"]),
 ], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data", "preference", "preference-packing",
-        "optimizers", "schedules", "distill", "loss-memory-distill", "teacher-memory"])
+        "optimizers", "schedules", "distill", "loss-memory-distill", "teacher-memory", "grpo"])
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
     args = [*command, "--dir", str(tmp_path)] if command[0] in ("checkpoint", "scale") else command
