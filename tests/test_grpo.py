@@ -152,6 +152,71 @@ def test_the_loss_is_the_policy_gradient_normalised_over_tokens_or_completions(l
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("loss_type, beta, corrected", [("dapo", 0.0, True), ("grpo", 0.0, True),
+                                                        ("dr_grpo", 0.0, True), ("dapo", 0.3, True),
+                                                        ("grpo", 0.3, False)])
+def test_the_loss_and_its_gradient_equal_trls_grpo_trainer_on_the_same_completions(loss_type, beta, corrected,
+                                                                                    pretrained, tmp_path):
+    """TRL's GRPOTrainer._compute_loss, given our completions, advantages and reference log-probabilities (as it
+    takes them after its own generation), computes the loss and gradient ours does, within 1e-5, for each
+    loss_type, with and without the KL term (with and without its bias correction); completions of several
+    lengths, the policy away from the reference."""
+    trl = pytest.importorskip("trl")
+    from accelerate import Accelerator
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from src.data.tokenizer import codec_for
+    from src.objectives.grpo import GRPO
+    from src.objectives.reference import FrozenCopy
+
+    data = Data(["write a:", "write b:"])  # prompts of one length: TRL's left-padded prompts are ours unpadded
+    data.codec, data.block_size = codec_for(str(pretrained)), 64
+    policy, reference = (AutoModelForCausalLM.from_pretrained(pretrained, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                              attn_pdrop=0.0) for _ in range(2))
+    policy.train()  # a training step's: no dropout above, so TRL's pass computes what ours does
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    objective = GRPO(reward=LETTERS, loss_type=loss_type, beta=beta, num_generations=4, max_completion_tokens=12,
+                     reference="copy", use_bias_correction_kl=corrected)
+    objective.start(Accelerator(cpu=True), policy, data, None, None)
+    if beta:
+        objective.reference = FrozenCopy(objective.accelerator, reference, objective)
+    rollout = written(objective, policy, prompt_batch(data, [0, 1]))
+    rollout["advantages"] = torch.linspace(-1, 1, 8)
+    prompt = len(data.codec.encode("write a:"))
+    for row, labels in enumerate(rollout["labels"]):  # completions of 1 to 12 tokens, as if they had ended there
+        labels[prompt + 1 + row * 5 % 12:] = -100
+    completion_mask = (rollout["labels"][:, prompt:] != -100).long()
+    assert len(set(completion_mask.sum(-1).tolist())) == 8
+
+    policy.zero_grad()
+    ours = (objective.model_loss_sum(policy, rollout, None) / objective.count(rollout["labels"])).sum()
+    ours.backward()
+    our_grads = [p.grad.clone() for p in policy.parameters()]
+
+    trainer = trl.GRPOTrainer(
+        model=policy, reward_funcs=lambda prompts, completions, **_: [0.0] * len(completions),
+        processing_class=AutoTokenizer.from_pretrained(pretrained), train_dataset=Dataset.from_list(data.rows),
+        args=trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
+                            max_completion_length=12, loss_type=loss_type, beta=beta,
+                            use_bias_correction_kl=corrected, use_cpu=True, bf16=False, report_to=[]))
+    inputs = {"prompt_ids": rollout["input_ids"][:, :prompt], "prompt_mask": rollout["attention_mask"][:, :prompt],
+              "completion_ids": rollout["input_ids"][:, prompt:], "completion_mask": completion_mask,
+              "advantages": rollout["advantages"], "num_items_in_batch": completion_mask.sum()}
+    if beta:
+        inputs["ref_per_token_logps"] = rollout["reference_logps"][:, prompt - 1:]
+    trainer.current_gradient_accumulation_steps = 1  # what its training loop sets: one micro-step a step
+    policy.zero_grad()
+    theirs = trainer._compute_loss(policy, inputs)
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    for got, want in zip(our_grads, (p.grad for p in policy.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("scale, divisor", [("group", "group"), (True, "group"), ("batch", "batch"),
                                             ("none", None), (False, None)])
 def test_advantages_are_scaled_by_the_groups_or_the_whole_steps_reward_deviation_or_not_at_all(scale, divisor):
@@ -564,7 +629,8 @@ def test_prompts_come_from_any_dataset_data_hf_dataset_reads_with_their_columns_
 def test_beta_adds_each_tokens_kl_divergence_from_the_starting_weights_zero_until_the_policy_moves():
     """objective.beta: at the starting weights the frozen copy is the policy, so the loss and its gradient are
     beta=0's; once the policy has moved, each completion's loss adds beta x its tokens' mean k3 divergence
-    exp(r) - r - 1 (r = reference - policy log-probability), which train/kl reports per completion."""
+    exp(r) - r - 1 (r = reference - policy log-probability), times the importance ratio (1 in value; its gradient
+    the unbiased one), which train/kl reports per completion."""
     import copy
 
     from src.objectives.preference import next_token_logps
@@ -593,8 +659,9 @@ def test_beta_adds_each_tokens_kl_divergence_from_the_starting_weights_zero_unti
     r = next_token_logps(starting(rollout["input_ids"]), rollout) - policy
     kl = ((torch.exp(r) - r - 1) * counted).sum(-1) / counted.sum(-1)
     loss = objective.model_loss_sum(model, rollout, None).sum()
-    expected = (((-torch.exp(policy - policy.detach()) * rollout["advantages"][:, None]) * counted).sum(-1)
-                / counted.sum(-1) + 0.5 * kl).sum()
+    ratio = torch.exp(policy - policy.detach())  # use_bias_correction_kl: the KL term's gradient through it too
+    corrected = ((torch.exp(r) - r - 1) * ratio * counted).sum(-1) / counted.sum(-1)
+    expected = (((-ratio * rollout["advantages"][:, None]) * counted).sum(-1) / counted.sum(-1) + 0.5 * corrected).sum()
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(torch.autograd.grad(loss, [model.tok_emb.weight])[0],
                                torch.autograd.grad(expected, [model.tok_emb.weight])[0])

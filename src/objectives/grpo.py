@@ -18,7 +18,8 @@ do not change within a step, so that is what writing each before its own micro-s
 one update per batch of completions (num_iterations=1), so the importance ratio exp(logp - sg(logp)) is 1 in value
 and needs no clipping; its gradient is the policy gradient. With objective.beta > 0 each token's loss adds beta x
 its KL divergence from a reference model (TRL's k3 estimate: exp(r) - r - 1, r the reference's log-probability less
-the policy's): the LoRA base with the adapter off, or a frozen copy of the starting weights. The default is none
+the policy's, times the importance ratio, 1 in value, for the unbiased gradient: use_bias_correction_kl, TRL's
+default): the LoRA base with the adapter off, or a frozen copy of the starting weights. The default is none
 (TRL's beta=0, after DAPO and Dr. GRPO). `mask_truncated_completions` (DAPO) trains on no completion cut at
 max_completion_tokens.
 
@@ -148,6 +149,9 @@ class GRPO(Objective):
                                                                 "num_generations)", ge=1)] = None,
                  beta: Annotated[float, Arg("weight of the per-token KL divergence from the reference model in the "
                                             "loss (TRL's beta, k3 estimator; 0: none and no reference)", ge=0)] = 0.0,
+                 use_bias_correction_kl: Annotated[bool, Arg(
+                     "with beta > 0, multiply each token's KL term by the importance ratio exp(logp - sg(logp)): 1 in "
+                     "value, its gradient the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's default)")] = True,
                  reference: Annotated[Literal["auto", "adapter", "copy"], Arg(
                      "with beta > 0, the reference: adapter (the LoRA adapter switched off), copy (a frozen copy of "
                      "the starting weights; not under FSDP); auto: adapter with a LoRA adapter, else copy")] = "auto",
@@ -187,6 +191,7 @@ class GRPO(Objective):
         self.mask_truncated_completions = mask_truncated_completions
         self.eval_generations, self.seed = eval_generations or num_generations, seed
         self.beta, self.reference_kind, self.reference = beta, reference, None  # the reference: start()
+        self.use_bias_correction_kl = use_bias_correction_kl
         self.chunk_tokens = chunk_tokens
         self.generation_batch = generation_batch
         self.log_completions, self._shown = log_completions, []  # evaluation's completions shown (Markdown each)
@@ -328,7 +333,7 @@ class GRPO(Objective):
         if "reference_logps" in inputs:  # k3 (Schulman): exp(r) - r - 1 >= 0, r = log(reference / policy)
             log_ratio = inputs["reference_logps"] - token_logps
             kl = torch.exp(log_ratio) - log_ratio - 1
-            per_token = per_token + self.beta * kl
+            per_token = per_token + self.beta * (kl * ratio if self.use_bias_correction_kl else kl)
             mean_kl = (kl * counted).sum(-1) / counted.sum(-1).clamp(min=1)
             after = len(self.trained_metrics) - len(METRICS) - 1  # each reward's sum, with several
             self._sums = self._sums + F.pad(mean_kl.detach().sum().reshape(1), (len(METRICS), after))
