@@ -91,3 +91,22 @@ def one_document_shards(folder: Path, files: dict[str, list[tuple[str, int]]], v
     (folder / MANIFEST).write_text(json.dumps({"format": FORMAT, "dtype": "uint16", "vocab_size": vocab_size,
                                                "tokenizer": tokenizer, "loss_masks": False, "splits": splits}))
     return folder
+
+
+def trainer_step_times() -> tuple:
+    """(a transformers TrainerCallback, the list of seconds it appends each step's time to): how TRL's side of a
+    benchmark is timed, per optimizer step."""
+    import time
+
+    from transformers import TrainerCallback
+
+    times, started = [], []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            started.append(time.perf_counter())
+
+        def on_step_end(self, *_, **__):
+            times.append(time.perf_counter() - started[-1])
+
+    return StepTimes(), times

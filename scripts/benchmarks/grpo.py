@@ -15,11 +15,10 @@ medians over the repeats.
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from statistics import median
 
-from scripts.benchmarks.common import BENCHMARK, ROOT, in_turn, run, scalars
+from scripts.benchmarks.common import BENCHMARK, ROOT, in_turn, run, scalars, trainer_step_times
 from scripts.benchmarks.preference import model_folder
 
 PROMPTS = ROOT / "data" / "shakespeare_pairs.jsonl"
@@ -55,25 +54,18 @@ def trl_grpo(args) -> None:
     """One TRL GRPOTrainer run (a worker process): prints its median step time."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
     rows = [{"prompt": json.loads(line)["prompt"]} for line in PROMPTS.read_text().splitlines()]
-    times, started = [], []
-
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            started.append(time.perf_counter())
-
-        def on_step_end(self, *_, **__):
-            times.append(time.perf_counter() - started[-1])
+    timer, times = trainer_step_times()
 
     with tempfile.TemporaryDirectory() as tmp:
         trainer = GRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(args.folder), reward_funcs=letter_share,
             processing_class=AutoTokenizer.from_pretrained(args.folder), train_dataset=Dataset.from_list(rows),
-            callbacks=[StepTimes()],
+            callbacks=[timer],
             args=GRPOConfig(output_dir=tmp, per_device_train_batch_size=args.prompts * args.generations,
                             num_generations=args.generations, max_completion_length=args.completion,
                             temperature=1.0, top_k=0, top_p=1.0, beta=0.0, loss_type="dapo", learning_rate=args.lr,

@@ -21,11 +21,10 @@ import json
 import resource
 import sys
 import tempfile
-import time
 from pathlib import Path
 from statistics import median
 
-from scripts.benchmarks.common import BENCHMARK, ROOT, in_turn, run, scalars
+from scripts.benchmarks.common import BENCHMARK, ROOT, in_turn, run, scalars, trainer_step_times
 
 PAIRS = ROOT / "data" / "shakespeare_pairs.jsonl"
 LORA_TARGETS = ["c_attn"]
@@ -69,19 +68,12 @@ def trl_dpo(args) -> None:
     """One TRL DPOTrainer run (a worker process): prints its median step time and the process's peak RSS."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     torch.set_num_threads(len(__import__("os").sched_getaffinity(0)))
     rows = [json.loads(line) for line in PAIRS.read_text().splitlines()]
-    times, started = [], []
-
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, *_, **__):
-            started.append(time.perf_counter())
-
-        def on_step_end(self, *_, **__):
-            times.append(time.perf_counter() - started[-1])
+    timer, times = trainer_step_times()
 
     peft_config = None
     if args.lora:
@@ -92,7 +84,7 @@ def trl_dpo(args) -> None:
         trainer = DPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(args.folder),
             processing_class=AutoTokenizer.from_pretrained(args.folder), train_dataset=Dataset.from_list(rows),
-            peft_config=peft_config, callbacks=[StepTimes()],
+            peft_config=peft_config, callbacks=[timer],
             args=DPOConfig(output_dir=tmp, per_device_train_batch_size=args.batch, learning_rate=args.lr,
                            max_steps=args.steps, max_length=None, bf16=False, use_cpu=True, report_to=[],
                            save_strategy="no", logging_steps=10_000, lr_scheduler_type="constant",
