@@ -200,12 +200,12 @@ def test_a_student_distils_from_its_teacher_under_bf16_autocast_and_compile_on_c
 
 
 def test_grpo_on_cuda_draws_its_completions_from_the_seeded_cuda_stream_and_resumes_bitwise(tmp_path):
-    """bf16 autocast, the completions sampled on the GPU from a forked CUDA random stream seeded by (seed, step,
-    prompt): a run stopped after 2 steps and resumed logs the rewards and ends at the weights of the run that was
-    not (CPU: tests/test_grpo.py)."""
+    """bf16 autocast, the completions sampled on the GPU, each prompt's from a CUDA generator seeded by (seed, step,
+    prompt), prompts of several lengths written together through the GPT's KV cache: a run stopped after 2 steps
+    and resumed logs the rewards and ends at the weights of the run that was not (CPU: tests/test_grpo.py)."""
     from tests.test_grpo import grpo_args, letter_prompts
 
-    prompts = letter_prompts(tmp_path / "letters.jsonl")
+    prompts = letter_prompts(tmp_path / "letters.jsonl", varied=True)
     args = [*QUIET, "trainer.mixed_precision=bf16", "data.batch_size=4", "trainer.checkpoint_every=2",
             "trainer.monitor=null"]
     gpu_run(grpo_args(prompts, tmp_path / "whole", *args, "trainer.max_steps=4"))
