@@ -13,15 +13,15 @@ loss (`loss_type`):
     dr_grpo:  the sum over tokens / (completions x max_completion_tokens)     (Dr. GRPO: no length bias)
 
 The denominators are counts of the whole global batch (src/loop/accumulation.py), so the loss is exact on any
-layout; for dapo every completion of the step is written before any of it trains (prepare_window: the weights
-do not change within a step, so that is what writing each before its own micro-step would draw). The model takes
-one update per batch of completions (num_iterations=1), so the importance ratio exp(logp - sg(logp)) is 1 in value
-and needs no clipping; its gradient is the policy gradient. With objective.beta > 0 each token's loss adds beta x
-its KL divergence from a reference model (TRL's k3 estimate: exp(r) - r - 1, r the reference's log-probability less
-the policy's, times the importance ratio, 1 in value, for the unbiased gradient: use_bias_correction_kl, TRL's
-default): the LoRA base with the adapter off, or a frozen copy of the starting weights. The default is none
-(TRL's beta=0, after DAPO and Dr. GRPO). `mask_truncated_completions` (DAPO) trains on no completion cut at
-max_completion_tokens.
+layout: every completion of the step is written before any of it trains (prepare_window; the weights do not change
+within a step, so that is what writing each before its own micro-step would draw), and dapo counts their tokens. The
+model takes one update per batch of completions (num_iterations=1), so the importance ratio exp(logp - sg(logp)) is
+1 in value and needs no clipping; its gradient is the policy gradient. With objective.beta > 0 each token's loss
+adds beta x its KL divergence from a reference model (TRL's k3 estimate: exp(r) - r - 1, r the reference's log-
+probability less the policy's, times the importance ratio, 1 in value, for the unbiased gradient:
+use_bias_correction_kl, TRL's default): the LoRA base with the adapter off, or a frozen copy of the starting
+weights. The default is none (TRL's beta=0, after DAPO and Dr. GRPO). `mask_truncated_completions` (DAPO) trains on
+no completion cut at max_completion_tokens.
 
 Exact, as everything here: a prompt's completions are drawn from its own random stream, seeded by (objective.seed,
 the step, the prompt's number) alone, so the same prompt gets the same completions on any number of processes and
