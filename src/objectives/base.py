@@ -88,7 +88,7 @@ class Objective:
 
     def with_reference(self, model: torch.nn.Module, inputs: Any, targets: torch.Tensor) -> Any:
         """The inputs with what is computed outside the (compiled) step: a reference model's numbers
-        (objective=grpo: the completions themselves, written and scored)."""
+        (objective=grpo: in evaluation, the completions themselves, written and scored)."""
         return inputs
 
     def evaluation_texts(self) -> dict[str, str]:
