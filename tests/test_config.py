@@ -149,7 +149,8 @@ REFUSALS = [  # the overrides, and what the refusal names: the key, the value, w
         (["trainer.gradient_accumulation_steps=0"], ("trainer.gradient_accumulation_steps=0", ">= 1")),
         (["model.n_layr=3"], ("model.n_layr", "src.models.gpt.GPT", "model.n_layer?")),
         (["+objective.foo=1"], ("objective.foo", "src.objectives.classification.CrossEntropy")),
-        (["optimizer.betas=[0.9]"], ("optimizer.betas", "0.9", "2 values")),
+        (["optimizer.betas=[0.9]"], ("optimizer.betas=[0.9]", "2 values")),
+        (["trainer.skip_steps=[1]"], ("trainer.skip_steps=[1]", "expected a list, got 1", "[[1041, 1100]]")),
         (["model._target_=src.models.nope.Model"], ("model._target_=src.models.nope.Model", "no such module")),
         # item 9's sharp edges
         (["data=tokens", "data.path=x.bin"], ("data.vocab_size", "data.vocab_size=VALUE")),

@@ -18,6 +18,7 @@ anywhere in it; they are resolved once the data is built (`resolve_data_sizes`) 
 import difflib
 import importlib
 import inspect
+import json
 import re
 import types
 import typing
@@ -247,7 +248,7 @@ def check_values(cfg: DictConfig, group: str, schema: Schema) -> list[str]:
                 continue
         problem = type_problem(value, param.annotation) or param.arg.violation(value)
         if problem:
-            shown = OmegaConf.to_yaml(value).strip() if isinstance(value, (list, dict)) else value
+            shown = json.dumps(value, default=str) if isinstance(value, (list, dict)) else value  # as typed
             problems.append(f"{full_key}={shown} {problem}" + (f" ({param.arg.help})" if param.arg.help else ""))
     return problems
 
