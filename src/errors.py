@@ -56,5 +56,9 @@ def told_to_the_launcher():
                        f"{type(error).__name__}: {error} (its traceback is above)")
             with contextlib.suppress(OSError):  # the message is printed anyway: the table is where else it shows
                 Path(error_file).parent.mkdir(parents=True, exist_ok=True)
-                Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+                # Whole or not at all: a rank stopped by the launcher halfway through a plain write left an empty
+                # file, which the launcher's JSON reader then failed on (seen once, in place of its table).
+                written = Path(f"{error_file}.{os.getpid()}.tmp")
+                written.write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
+                os.replace(written, error_file)
         raise
