@@ -117,7 +117,9 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
                         gradient_accumulation_steps=cfg.trainer.gradient_accumulation_steps)
     if checkpoint and cfg.trainer.resume_with_new_global_batch:
         check_length_in_epochs(checkpoint, layout, cfg.trainer.max_epochs)
-    epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout)  # whole global batches; epochs -> steps
+    # Whole global batches; epochs -> steps; each batch as many steps as the objective trains on it (GRPO's).
+    repeats = OmegaConf.select(cfg, "objective.num_iterations", default=1)
+    epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout, repeats)
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
     if checkpoint:  # a new length or schedule: taken where the steps already taken keep their learning rates
         cfg = schedule_for_resume(cfg, checkpoint, overrides)

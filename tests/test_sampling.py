@@ -49,3 +49,21 @@ def test_one_position_drawn_alone_is_where_the_epochs_order_puts_it():
         with np.errstate(over="ignore"):
             expected = sampler.permute(positions).tolist()
         assert [sampler.at(int(k)) for k in positions] == expected
+
+
+def test_repeated_windows_give_each_global_batch_of_a_shuffled_epoch_several_times_in_a_row():
+    """objective.num_iterations: an epoch is each global batch of the epoch's shuffle `repeats` times in a row, every
+    sample of its whole batches once per repeat, the tail left out; the order a function of (seed, epoch) alone."""
+    from src.data.sampling import RepeatedWindows
+
+    def epoch(seed: int, number: int) -> list[int]:
+        windows = RepeatedWindows(list(range(23)), global_batch=4, repeats=3, seed=seed)
+        windows.set_epoch(number)
+        return [windows[k] for k in range(len(windows))]
+
+    order = epoch(7, 0)
+    assert len(order) == 5 * 4 * 3  # 5 whole batches of 4 (3 samples wait for later epochs), each 3 times
+    batches = [order[i:i + 4] for i in range(0, len(order), 4)]
+    assert all(batches[i] == batches[i - i % 3] for i in range(len(batches)))
+    assert len({sample for batch in batches for sample in batch}) == 20
+    assert epoch(7, 0) == order and epoch(7, 1) != order and epoch(8, 0) != order

@@ -41,6 +41,7 @@ from src.checkpointing.export import export_model
 from src.checkpointing.integrity import check_readable
 from src.checkpointing.layout import CONFIG_FILE, DATA_FILE, EMA_FILE, STATE_FILE, complete_checkpoints, step_dir_name
 from src.checkpointing.load import load_checkpoint, seed_this_ranks_stream
+from src.checkpointing.plain_state import save_tree
 from src.checkpointing.resume import config_for_resume, resume_source, set_aside_later_checkpoints
 from src.checkpointing.training_state import (
     BASE_FILE,
@@ -48,6 +49,7 @@ from src.checkpointing.training_state import (
     check_supported,
     frozen_parameters,
     main_states,
+    objective_state_file,
     save_random_states,
     save_sharded,
     sharded,
@@ -120,9 +122,10 @@ class Checkpointer:
     def __init__(self, accelerator: Accelerator, run_dir: Path, cfg: DictConfig, model: Optional[torch.nn.Module],
                  ema=None, codec=None, data_fingerprint: Optional[dict] = None, resume_from: Optional[Path] = None,
                  data_changed: bool = False, progress: Callable[[str], None] = lambda doing: None,
-                 position: Optional[StreamPosition] = None):
+                 position: Optional[StreamPosition] = None, objective_state: Callable[[], dict] = dict):
         check_supported(accelerator)
         self.position = position  # a stream's loader position, saved by every rank (src/loop/stream_position.py)
+        self.objective_state = objective_state  # what the objective keeps, saved by every rank (Objective.rank_state)
         self.accelerator, self.cfg = accelerator, cfg
         self.progress = progress  # the hang watch hears of each part of a save and an export
         self.run_dir, self.root = run_dir, run_dir / "checkpoints"
@@ -156,7 +159,7 @@ class Checkpointer:
         """`run`: src/run.py's Run; `model` and `ema` as prepared; `progress`: the hang watch's `alive`; `position`:
         the training loader's, where it keeps one."""
         return cls(run.accelerator, run.run_dir, run.cfg, model, ema, run.data.codec, run.data_fingerprint,
-                   run.checkpoint, run.data_changed, progress, position)
+                   run.checkpoint, run.data_changed, progress, position, run.objective.rank_state)
 
     # ---------------------------------------------------------------------------------------------- loading
 
@@ -378,8 +381,11 @@ class Checkpointer:
             self.commit_failed = (error, tmp)
 
     def _save_rank_state(self, directory: Path, state: TrainState) -> None:
-        """Every rank's own: its random streams, and where its stream loader stands."""
+        """Every rank's own: its random streams, where its stream loader stands, what its objective keeps."""
         save_random_states(self.accelerator, directory)
+        kept = self.objective_state()
+        if kept:
+            save_tree(kept, directory / objective_state_file(self.accelerator.process_index))
         if self.position is not None:
             self.position.save(directory, state)
 

@@ -38,6 +38,7 @@ EVAL_OUTPUT = "eval_metrics.json"  # eval.py's report, written beside what it sc
 # one was put there by someone else, and is refused by name rather than left for something to pick up.
 KNOWN_FILES = re.compile("|".join([
     r"(model|optimizer)(_\d+)?\.safetensors", r"scheduler(_\d+)?\.json", r"random_states_\d+\.safetensors",
+    r"objective_state_\d+\.safetensors",
     r"data_position_\d+\.json",
     *map(re.escape, (SCALER_FILE, CHECKSUMS, EMA_FILE, STATE_FILE, CONFIG_FILE, DATA_FILE, BASE_FILE, EVAL_OUTPUT))]))
 KNOWN_DIRS = re.compile(rf"({SHARDED_MODEL}|{SHARDED_OPTIMIZER})_\d+")

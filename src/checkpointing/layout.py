@@ -6,6 +6,7 @@ Layout of a run directory:
                                   (src/checkpointing/training_state.py; every rank writes its own random state;
                                   under FSDP pytorch_model_fsdp_0/ and optimizer_0/ hold a file per rank)
         data_position_<rank>.json a stream's place in it, as each rank's loader keeps it (src/loop/stream_position.py)
+        objective_state_<rank>.safetensors  what the objective keeps (GRPO's completions of num_iterations > 1)
         checksums.json            a CRC-32 of each file rank 0 wrote, compared before a resume reads anything
         ema.safetensors           trainer.ema_decay: the average of the weights
         train_state.json          step, epoch, position in the epoch, best metric

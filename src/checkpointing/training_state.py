@@ -11,6 +11,8 @@ accelerator.prepare (a second model, optimizer or schedule is numbered _1, as ac
     scheduler.json, scaler.json       the schedule's and (fp16) the GradScaler's state
     random_states_<rank>.safetensors  each rank's random streams: Python's, numpy's, torch's (and CUDA's), and
                                       accelerate's micro-step count
+    objective_state_<rank>.safetensors  where the objective keeps some (Objective.rank_state): GRPO's completions
+                                      that the next steps of objective.num_iterations train on again
 
 Under FSDP2 the weights and the optimizer's state stay sharded: `pytorch_model_fsdp_0/` and `optimizer_0/` hold one
 safetensors file per rank, which any number of ranks reads back (resharded); the optimizer's values that are not
@@ -49,6 +51,11 @@ BASE_FILE = "base_weights.json"
 
 def random_states_file(rank: int) -> str:
     return f"random_states_{rank}.safetensors"
+
+
+def objective_state_file(rank: int) -> str:
+    """Where a rank's objective keeps what a resume needs of it (Objective.rank_state)."""
+    return f"objective_state_{rank}.safetensors"
 
 
 def numbered(name: str, index: int) -> str:

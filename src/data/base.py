@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, SequentialSampler, Subset
 
+from src.data.sampling import RepeatedWindows
 from src.errors import UsageError
 from src.schema.signature import Arg
 
@@ -209,6 +210,8 @@ class DataModule:
                              "which a reader ahead would move past the batches trained on: set data.read_ahead=false "
                              "and read it with data.num_workers")
         sampler = self.train_sampler(dataset) if train and isinstance(dataset, Sized) else None
+        if isinstance(dataset, RepeatedWindows):  # it shuffles itself, in windows
+            sampler = SequentialSampler(dataset)
         return DataLoader(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,

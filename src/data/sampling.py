@@ -10,7 +10,7 @@ start-up, the same order on every rank and after a resume, a function of (seed, 
 from collections.abc import Iterator
 
 import numpy as np
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 _ROUNDS = 4
 _BLOCK = 8192
@@ -96,3 +96,27 @@ class Permutation(Sampler[int]):
             with np.errstate(over="ignore"):
                 block = self.permute(np.arange(start, min(start + _BLOCK, self.n), dtype=np.uint64)).tolist()
             yield from block
+
+
+class RepeatedWindows(Dataset):
+    """An epoch whose every global batch comes `repeats` times in a row, for an objective that takes several
+    optimizer steps on one batch of samples (objective=grpo's num_iterations; TRL's RepeatSampler). Position k of an
+    epoch is sample order[(k // (G x repeats)) x G + k % G] of a shuffle drawn from (seed, epoch) alone, G the global
+    batch: a function of the position, as a resume mid-epoch on any layout of G needs. Whole global batches only (the
+    tail of fewer than G samples waits for later epochs' shuffles, as without repeats); read it in order."""
+
+    def __init__(self, dataset: Dataset, global_batch: int, repeats: int, seed: int):
+        self.dataset, self.global_batch, self.repeats = dataset, global_batch, repeats
+        self.order = Permutation(len(dataset), seed)
+
+    def __len__(self) -> int:
+        return len(self.dataset) // self.global_batch * self.global_batch * self.repeats
+
+    def set_epoch(self, epoch: int) -> None:
+        self.order.set_epoch(epoch)
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def __getitem__(self, k: int):
+        batch, within = divmod(k, self.global_batch * self.repeats)
+        return self.dataset[self.order.at(batch * self.global_batch + within % self.global_batch)]

@@ -18,6 +18,7 @@ import torch
 from accelerate import Accelerator
 
 from src.data.base import FirstSamples
+from src.data.sampling import RepeatedWindows
 from src.errors import UsageError
 from src.loop.read_ahead import EpochBatches
 from src.loop.stream_position import StreamPosition
@@ -46,12 +47,18 @@ def steps_per_epoch(dataset, global_batch: int, layout: str) -> Optional[int]:
     return steps
 
 
-def fit_run_to_data(data, trainer, layout: TrainState) -> tuple[Optional[int], int]:
-    """The optimizer steps of one epoch, after trainer.limit_train_batches has bounded the training set, and
-    the run's length in optimizer steps (trainer.max_epochs counted in steps), before the config's values
-    that follow it (the LR schedule's length) are resolved."""
+def fit_run_to_data(data, trainer, layout: TrainState, repeats: int = 1) -> tuple[Optional[int], int]:
+    """The optimizer steps of one epoch, after trainer.limit_train_batches has bounded the training set (and each
+    global batch is taken `repeats` times in a row: objective.num_iterations), and the run's length in optimizer
+    steps (trainer.max_epochs counted in steps), before the config's values that follow it (the LR schedule's
+    length) are resolved."""
     if trainer.limit_train_batches is not None:
         data.train = FirstSamples(data.train, trainer.limit_train_batches * layout.global_batch)
+    if repeats > 1:
+        if not isinstance(data.train, Sized):
+            raise UsageError(f"objective.num_iterations={repeats} trains each global batch {repeats} steps in a "
+                             "row, which needs a training set with a length; this one is a stream")
+        data.train = RepeatedWindows(data.train, layout.global_batch, repeats, trainer.seed)
     epoch_steps = steps_per_epoch(data.train, layout.global_batch, layout.layout())
     if trainer.max_epochs is None:
         return epoch_steps, trainer.max_steps

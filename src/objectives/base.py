@@ -96,6 +96,12 @@ class Objective:
         rewards), logged by rank 0 to TensorBoard's text tab; called after each evaluation on every rank."""
         return {}
 
+    def rank_state(self) -> dict[str, Any]:
+        """What this rank keeps in each checkpoint beside the training's state, for a resume to continue exactly
+        (objective=grpo with num_iterations > 1: the completions that the next steps train on again), as
+        objective_state_<rank>.safetensors; the objective reads it back itself (start's `checkpoint`). Nothing here."""
+        return {}
+
     def training_metrics(self) -> dict[str, torch.Tensor]:
         """name -> this rank's sum over the samples trained on since the last call, for metrics besides the loss
         that training reports (averaged over the samples of those steps' global batches)."""
