@@ -199,17 +199,20 @@ def test_a_student_distils_from_its_teacher_under_bf16_autocast_and_compile_on_c
     assert scalars(chunked, "eval/kl")[12] < 0.5 * scalars(chunked, "eval/kl")[0]
 
 
-def test_grpo_on_cuda_draws_its_completions_from_the_seeded_cuda_stream_and_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("options, stop", [((), 2), (("objective.num_iterations=2",), 3)],
+                         ids=["on_policy", "two_iterations"])
+def test_grpo_on_cuda_draws_its_completions_from_the_seeded_cuda_stream_and_resumes_bitwise(tmp_path, options, stop):
     """bf16 autocast, the completions sampled on the GPU, each prompt's from a CUDA generator seeded by (seed, step,
     prompt), prompts of several lengths written together through the GPT's KV cache: a run stopped after 2 steps
-    and resumed logs the rewards and ends at the weights of the run that was not (CPU: tests/test_grpo.py)."""
+    and resumed logs the rewards and ends at the weights of the run that was not (CPU: tests/test_grpo.py); with
+    num_iterations=2 stopped within a cycle, its completions read back onto the GPU from the checkpoint."""
     from tests.test_grpo import grpo_args, letter_prompts
 
     prompts = letter_prompts(tmp_path / "letters.jsonl", varied=True)
     args = [*QUIET, "trainer.mixed_precision=bf16", "data.batch_size=4", "trainer.checkpoint_every=2",
-            "trainer.monitor=null"]
+            "trainer.monitor=null", *options]
     gpu_run(grpo_args(prompts, tmp_path / "whole", *args, "trainer.max_steps=4"))
-    gpu_run(grpo_args(prompts, tmp_path / "resumed", *args, "trainer.max_steps=2"))
+    gpu_run(grpo_args(prompts, tmp_path / "resumed", *args, f"trainer.max_steps={stop}"))
     proc = gpu_run(grpo_args(prompts, tmp_path / "resumed", *args, "trainer.max_steps=4", "resume=auto"))
     assert "device                      : cuda" in proc.stdout
     assert scalars(tmp_path / "whole", "train/reward") == scalars(tmp_path / "resumed", "train/reward")

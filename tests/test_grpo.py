@@ -152,15 +152,23 @@ def test_the_loss_is_the_policy_gradient_normalised_over_tokens_or_completions(l
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("loss_type, beta, corrected", [("dapo", 0.0, True), ("grpo", 0.0, True),
-                                                        ("dr_grpo", 0.0, True), ("dapo", 0.3, True),
-                                                        ("grpo", 0.3, False)])
+OFF_POLICY = {"num_iterations": 2, "epsilon": 0.2, "epsilon_high": 0.28}  # a later step of a cycle: ratios clipped
+
+
+@pytest.mark.parametrize("loss_type, beta, corrected, options", [
+    ("dapo", 0.0, True, {}), ("grpo", 0.0, True, {}), ("dr_grpo", 0.0, True, {}), ("dapo", 0.3, True, {}),
+    ("grpo", 0.3, False, {}), ("dapo", 0.0, True, OFF_POLICY), ("dr_grpo", 0.3, True, OFF_POLICY),
+    ("dapo", 0.3, True, {**OFF_POLICY, "importance_sampling_level": "sequence"}),
+    ("grpo", 0.0, True, {**OFF_POLICY, "importance_sampling_level": "sequence"})],
+    ids=["dapo", "grpo", "dr_grpo", "dapo_kl", "grpo_kl_uncorrected", "dapo_clipped", "dr_grpo_kl_clipped",
+         "gspo_kl_clipped", "gspo_clipped"])
 def test_the_loss_and_its_gradient_equal_trls_grpo_trainer_on_the_same_completions(loss_type, beta, corrected,
-                                                                                    pretrained, tmp_path):
-    """TRL's GRPOTrainer._compute_loss, given our completions, advantages and reference log-probabilities (as it
-    takes them after its own generation), computes the loss and gradient ours does, within 1e-5, for each
-    loss_type, with and without the KL term (with and without its bias correction); completions of several
-    lengths, the policy away from the reference."""
+                                                                                    options, pretrained, tmp_path):
+    """TRL's GRPOTrainer._compute_loss, given our completions, advantages, reference log-probabilities and the
+    log-probabilities of the policy that wrote them (as it takes them after its own generation), computes the loss
+    and gradient ours does, within 1e-5, for each loss_type, with and without the KL term (with and without its
+    bias correction), at a later step of num_iterations (ratios away from 1, some clipped below and above, on
+    each token or each completion: GSPO); completions of several lengths, the policy away from the reference."""
     trl = pytest.importorskip("trl")
     from accelerate import Accelerator
     from datasets import Dataset
@@ -180,7 +188,7 @@ def test_the_loss_and_its_gradient_equal_trls_grpo_trainer_on_the_same_completio
         for parameter in reference.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
     objective = GRPO(reward=LETTERS, loss_type=loss_type, beta=beta, num_generations=4, max_completion_tokens=12,
-                     reference="copy", use_bias_correction_kl=corrected)
+                     reference="copy", use_bias_correction_kl=corrected, **options)
     objective.start(Accelerator(cpu=True), policy, data, None, None)
     if beta:
         objective.reference = FrozenCopy(objective.accelerator, reference, objective)
@@ -191,6 +199,12 @@ def test_the_loss_and_its_gradient_equal_trls_grpo_trainer_on_the_same_completio
         labels[prompt + 1 + row * 5 % 12:] = -100
     completion_mask = (rollout["labels"][:, prompt:] != -100).long()
     assert len(set(completion_mask.sum(-1).tolist())) == 8
+    if "num_iterations" in options:  # as if the policy had moved since it wrote them
+        assert "old_logps" in rollout
+        rollout["old_logps"] = rollout["old_logps"] + 0.3 * torch.randn_like(rollout["old_logps"])
+        ratios = (objective.token_logps(policy, rollout) - rollout["old_logps"]).exp()[:, prompt - 1:]
+        held = ratios[completion_mask.bool()]
+        assert (held < 0.8).any() and (held > 1.28).any()
 
     policy.zero_grad()
     ours = (objective.model_loss_sum(policy, rollout, None) / objective.count(rollout["labels"])).sum()
@@ -202,12 +216,14 @@ def test_the_loss_and_its_gradient_equal_trls_grpo_trainer_on_the_same_completio
         processing_class=AutoTokenizer.from_pretrained(pretrained), train_dataset=Dataset.from_list(data.rows),
         args=trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
                             max_completion_length=12, loss_type=loss_type, beta=beta,
-                            use_bias_correction_kl=corrected, use_cpu=True, bf16=False, report_to=[]))
+                            use_bias_correction_kl=corrected, use_cpu=True, bf16=False, report_to=[], **options))
     inputs = {"prompt_ids": rollout["input_ids"][:, :prompt], "prompt_mask": rollout["attention_mask"][:, :prompt],
               "completion_ids": rollout["input_ids"][:, prompt:], "completion_mask": completion_mask,
               "advantages": rollout["advantages"], "num_items_in_batch": completion_mask.sum()}
     if beta:
         inputs["ref_per_token_logps"] = rollout["reference_logps"][:, prompt - 1:]
+    if "num_iterations" in options:
+        inputs["old_per_token_logps"] = rollout["old_logps"][:, prompt - 1:]
     trainer.current_gradient_accumulation_steps = 1  # what its training loop sets: one micro-step a step
     policy.zero_grad()
     theirs = trainer._compute_loss(policy, inputs)
@@ -215,6 +231,41 @@ def test_the_loss_and_its_gradient_equal_trls_grpo_trainer_on_the_same_completio
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     for got, want in zip(our_grads, (p.grad for p in policy.parameters())):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_cycle_of_num_iterations_steps_trains_on_the_completions_its_first_step_wrote():
+    """num_iterations=2: step 0 writes the prompts' completions and keeps the log-probabilities of the policy that
+    wrote them; step 1, given the same prompts, trains on those again (the same completions, advantages and
+    log-probabilities, reported again, whatever the weights became; what a checkpoint keeps in between); step 2
+    writes new ones; a step given other prompts than its cycle's first is refused, naming why."""
+    data = Data(["write a:", "write b:", "write c:"])
+    objective, model = objective_and_model(data, num_iterations=2)
+    batch = prompt_batch(data, [0, 1])
+    objective.before_step(0)
+    first = written(objective, model, batch)
+    torch.testing.assert_close(first["old_logps"], objective.token_logps(model, first))
+    reported = objective.training_metrics()
+    kept = objective.rank_state()
+    assert kept["step"] == 0 and torch.equal(kept["rollouts"][0]["input_ids"], first["input_ids"])
+    with torch.no_grad():  # the policy moves
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    objective.before_step(1)
+    again = written(objective, model, batch)
+    for key in ("input_ids", "labels", "advantages", "old_logps"):
+        assert torch.equal(again[key], first[key]), key
+    assert not torch.allclose(objective.token_logps(model, again), again["old_logps"])  # ratios away from 1
+    assert torch.equal(objective.training_metrics()["reward"], reported["reward"])
+    assert objective.rank_state() == {}  # the next step starts a cycle: nothing to keep
+    objective.before_step(2)
+    fresh = written(objective, model, batch)
+    assert not torch.equal(fresh["input_ids"], first["input_ids"])
+    torch.testing.assert_close(fresh["old_logps"], objective.token_logps(model, fresh))
+    objective.before_step(3)
+    with pytest.raises(UsageError) as error:
+        written(objective, model, prompt_batch(data, [1, 2]))
+    named(str(error.value), "step 4 trains again on the completions that step 3 wrote",
+          "objective.num_iterations=2", "other prompts", "a multiple of 2")
 
 
 @pytest.mark.parametrize("scale, divisor", [("group", "group"), (True, "group"), ("batch", "batch"),
@@ -340,11 +391,17 @@ def test_grpo_teaches_a_model_from_scratch_to_write_what_the_reward_asks(tmp_pat
     assert best[0] < 0.3 < 0.9 < best[200], shown
 
 
-@pytest.mark.parametrize("options", [(), ("objective.scale_rewards=batch",)], ids=["dapo", "batch_scaled"])
+TWO_ITERATIONS = ("objective.num_iterations=2", "objective.epsilon_high=0.28")
+
+
+@pytest.mark.parametrize("options", [(), ("objective.scale_rewards=batch",), TWO_ITERATIONS],
+                         ids=["dapo", "batch_scaled", "two_iterations"])
 def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resumes_bitwise(tmp_path, options):
     """2 processes of 2 prompts train the weights (1e-5) and log the rewards of 1 process accumulating 2 micro-
     batches (dapo's token count and scale_rewards=batch's deviation are the global batch's; prompts of several
-    lengths written together); a run killed after a checkpoint resumes to the same rewards and weights, bitwise."""
+    lengths written together); a run killed after a checkpoint resumes to the same rewards and weights, bitwise.
+    With num_iterations=2 the checkpoint falls within a cycle: the resume trains on the completions it kept (and is
+    refused on another layout, whose processes did not keep them)."""
     prompts = letter_prompts(tmp_path / "letters.jsonl", varied=True)
     common = [*QUIET, "data.batch_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3", *options]
     one, two, killed = (tmp_path / name for name in ("one", "two", "killed"))
@@ -357,11 +414,22 @@ def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resume
             "tokens_per_second", "samples_per_second", "completion_length"))
         assert all(tokens[s] / per_prompt[s] == pytest.approx(8 * length[s], rel=1e-5) for s in tokens), run_dir
     assert max_abs_diff(exported_weights(two), exported_weights(one)) <= 1e-5
-    if options:
+    if "objective.scale_rewards=batch" in options:
         return
 
+    checkpoint = killed / "checkpoints" / "step_00000003"
     kill_when(grpo_args(prompts, killed, *common, "trainer.gradient_accumulation_steps=2"), 1,
-              ready=lambda: (killed / "checkpoints" / "step_00000003").is_dir())
+              ready=checkpoint.is_dir)
+    if options == TWO_ITERATIONS:
+        rewards = scalars(one, "train/reward")
+        assert [rewards[s] for s in (1, 3, 5)] == [rewards[s] for s in (2, 4, 6)]  # each cycle's completions twice
+        assert max(scalars(one, "train/clip_ratio/high").values()) > 0  # the second step's ratios are clipped
+        assert (checkpoint / "objective_state_0.safetensors").is_file()
+        proc = run(grpo_args(prompts, tmp_path / "other", *common, "trainer.gradient_accumulation_steps=1",
+                             f"resume={checkpoint}"), nproc=2, check=False)
+        assert proc.returncode != 0 and "step 4/" not in proc.stdout  # torch's launcher reports its ranks' exits
+        named(proc.stdout, "objective.num_iterations=2", "step 4 trains again on the completions that step 3 wrote",
+              "a multiple of 2")
     run(grpo_args(prompts, killed, *common, "trainer.gradient_accumulation_steps=2", "resume=auto"))
     assert scalars(killed, "train/reward") == scalars(one, "train/reward")
     assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0

@@ -14,11 +14,21 @@ loss (`loss_type`):
 
 The denominators are counts of the whole global batch (src/loop/accumulation.py), so the loss is exact on any
 layout: every completion of the step is written before any of it trains (prepare_window; the weights do not change
-within a step, so that is what writing each before its own micro-step would draw), and dapo counts their tokens. The
-model takes one update per batch of completions (num_iterations=1), so the importance ratio exp(logp - sg(logp)) is
-1 in value and needs no clipping; its gradient is the policy gradient. With objective.beta > 0 each token's loss
+within a step, so that is what writing each before its own micro-step would draw), and dapo counts their tokens.
+
+Each token's loss is PPO's clipped surrogate, -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A), ratio
+the token's probability over that of the policy that wrote it. By default (num_iterations=1) that policy is the one
+training, so the ratio is exp(logp - sg(logp)): 1 in value, nothing clipped, its gradient the policy gradient. With
+num_iterations=mu each batch of completions trains mu steps in a row (TRL's num_iterations): the data gives each
+global batch's prompts mu times (src/data/sampling.py's RepeatedWindows: an epoch is mu times as many steps), the
+first of those steps writes the completions and keeps the log-probabilities of the policy that wrote them, the next
+ones reuse both, and the clip bounds how far each may move from it (train/clip_ratio/low and /high: the tokens it
+held back). Each process keeps its own micro-batches' completions in every checkpoint taken within such a cycle
+(they cannot be written again: the policy that wrote them is gone), so a resume there continues exactly on the same
+layout and is refused on another. importance_sampling_level=sequence (GSPO) uses each completion's mean log-ratio
+for all its tokens. With objective.beta > 0 each token's loss
 adds beta x its KL divergence from a reference model (TRL's k3 estimate: exp(r) - r - 1, r the reference's log-
-probability less the policy's, times the importance ratio, 1 in value, for the unbiased gradient:
+probability less the policy's, times the importance ratio (1 in value with num_iterations=1), for the unbiased gradient:
 use_bias_correction_kl, TRL's default): the LoRA base with the adapter off, or a frozen copy of the starting
 weights. The default is none (TRL's beta=0, after DAPO and Dr. GRPO). `mask_truncated_completions` (DAPO) trains on
 no completion cut at max_completion_tokens.
@@ -62,7 +72,9 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, Optiona
 import torch
 import torch.nn.functional as F
 
-from src.checkpointing.training_state import sharded
+from src.checkpointing.checksums import verified
+from src.checkpointing.plain_state import load_tree
+from src.checkpointing.training_state import objective_state_file, sharded
 from src.data.base import IGNORE_INDEX
 from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
@@ -152,6 +164,19 @@ class GRPO(Objective):
                  use_bias_correction_kl: Annotated[bool, Arg(
                      "with beta > 0, multiply each token's KL term by the importance ratio exp(logp - sg(logp)): 1 in "
                      "value, its gradient the unbiased reverse-KL gradient (DeepSeek-V3.2; TRL's default)")] = True,
+                 num_iterations: Annotated[int, Arg(
+                     "optimizer steps on each batch of completions (TRL's num_iterations, GRPO's mu): the same "
+                     "prompts and completions train that many steps in a row, each token's probability ratio to the "
+                     "policy that wrote it clipped to [1 - epsilon, 1 + epsilon_high] (PPO's surrogate); 1: each "
+                     "batch trains once, on-policy, nothing to clip", ge=1)] = 1,
+                 epsilon: Annotated[float, Arg("the clip range's lower side, 1 - epsilon (and its upper side "
+                                               "without epsilon_high)", gt=0, lt=1)] = 0.2,
+                 epsilon_high: Annotated[Optional[float], Arg("the clip range's upper side, 1 + epsilon_high "
+                                                              "(DAPO's clip-higher: 0.28; null: epsilon)", gt=0)
+                                         ] = None,
+                 importance_sampling_level: Annotated[Literal["token", "sequence"], Arg(
+                     "token: each token's own ratio, clipped alone; sequence: the completion's (the geometric mean "
+                     "of its tokens' ratios, GSPO), clipped as one")] = "token",
                  reference: Annotated[Literal["auto", "adapter", "copy"], Arg(
                      "with beta > 0, the reference: adapter (the LoRA adapter switched off), copy (a frozen copy of "
                      "the starting weights; not under FSDP); auto: adapter with a LoRA adapter, else copy")] = "auto",
@@ -192,10 +217,17 @@ class GRPO(Objective):
         self.eval_generations, self.seed = eval_generations or num_generations, seed
         self.beta, self.reference_kind, self.reference = beta, reference, None  # the reference: start()
         self.use_bias_correction_kl = use_bias_correction_kl
+        self.num_iterations, self.importance_sampling_level = num_iterations, importance_sampling_level
+        self.epsilon_low, self.epsilon_high = epsilon, epsilon if epsilon_high is None else epsilon_high
+        # num_iterations > 1: (the step that wrote them, the rollouts) that the cycle's later steps train on again
+        self._cycle: Optional[tuple[int, list[dict]]] = None
+        self.checkpoint, self._steps_taken = None, 0  # where a resume within a cycle finds its completions
         self.chunk_tokens = chunk_tokens
         self.generation_batch = generation_batch
         self.log_completions, self._shown = log_completions, []  # evaluation's completions shown (Markdown each)
-        self.trained_metrics = METRICS + (("kl",) if beta else ()) + tuple(f"rewards/{n}" for n in self.per_reward)
+        clip_ratios = ("clip_ratio/low", "clip_ratio/high") if num_iterations > 1 else ()
+        self.trained_metrics = (METRICS + (("kl",) if beta else ()) + clip_ratios
+                                + tuple(f"rewards/{n}" for n in self.per_reward))
         self.step = 0  # the optimizer step being taken (before_step)
         self._sums: Optional[torch.Tensor] = None  # METRICS summed over the completions trained on since last read
         self._cropped_logged = False
@@ -206,6 +238,7 @@ class GRPO(Objective):
         if not hasattr(data, "rows"):
             raise UsageError("objective=grpo writes completions to prompts: use data=prompts")
         self.accelerator, self.rows, self.codec = accelerator, data.rows, data.codec
+        self.checkpoint = checkpoint
         self.block_size = data.block_size
         if self.max_completion_tokens >= self.block_size:
             raise UsageError(f"objective.max_completion_tokens={self.max_completion_tokens} leaves no room for a "
@@ -274,24 +307,102 @@ class GRPO(Objective):
         """The step's completions, every one written and scored before any trains (the weights do not change
         within a step, so they are what writing each before its own micro-step would give): loss_type=dapo counts
         their tokens, scale_rewards=batch reads every reward of the global batch. Each micro-batch becomes its
-        completions' rows, targets their labels."""
+        completions' rows, targets their labels. With num_iterations > 1 the first step of each num_iterations
+        writes them; the next ones, whose data holds the same prompts (src/data/sampling.py's RepeatedWindows),
+        train on the same completions again."""
+        first = self.step - self.step % self.num_iterations
+        if first == self.step:
+            rollouts = self._written(model, window)
+            self._cycle = (first, rollouts) if self.num_iterations > 1 else None
+        else:
+            rollouts = self._kept(model, first, window)
+        self._steps_taken += 1
+        group = self.num_generations
+        for rollout in rollouts:  # each step reports the completions it trains on
+            self._add({"reward": rollout["rewards"].sum(),
+                       "reward_std": rollout["rewards"].view(-1, group).std(-1).sum() * group,
+                       "completion_length": rollout["lengths"].sum(), "clipped_ratio": rollout["clipped"].sum(),
+                       **{f"rewards/{name}": scores.sum() for name, scores in zip(self.per_reward,
+                                                                                   rollout["scores"])}})
+        return [(rollout, rollout["labels"]) for rollout in rollouts]
+
+    def _written(self, model: torch.nn.Module, window: list[tuple[Mapping, torch.Tensor]]) -> list[dict]:
+        """The window's completions written and scored, with their advantages (and, for num_iterations > 1, the
+        log-probabilities of the policy that wrote them, which the later steps' ratios are to)."""
         group = self.num_generations
         rollouts = [self.rollout(model, inputs, targets, self.step, group) for inputs, targets in window]
         batch_std = self._global_std(torch.cat([r["rewards"] for r in rollouts]))
-        for rollout in rollouts:
+        for rollout, (_, targets) in zip(rollouts, window):
             grouped = rollout["rewards"].view(-1, group)
-            std = grouped.std(-1, keepdim=True)
             advantages = grouped - grouped.mean(-1, keepdim=True)
             if self.scale_rewards != "none":
-                advantages = advantages / ((batch_std if self.scale_rewards == "batch" else std) + 1e-4)
+                std = batch_std if self.scale_rewards == "batch" else grouped.std(-1, keepdim=True)
+                advantages = advantages / (std + 1e-4)
             rollout["advantages"] = advantages.reshape(-1)
+            rollout["prompts"] = targets  # the prompts' numbers: a later step of the cycle checks it holds them
             if self.mask_truncated_completions:  # their tokens neither trained nor counted
                 rollout["labels"][rollout["clipped"].bool()] = IGNORE_INDEX
-            self._sums[:len(METRICS)] += torch.stack([rollout["rewards"].sum(), std.sum() * group,
-                                                      rollout["lengths"].sum(), rollout["clipped"].sum()])
-            if self.per_reward:  # each reward's sum, unweighted, after kl's place
-                self._sums[len(self.trained_metrics) - len(self.per_reward):] += rollout["scores"].sum(-1)
-        return [(rollout, rollout["labels"]) for rollout in rollouts]
+            if self.num_iterations > 1:  # as the training pass computes them, without dropout or gradients
+                with evaluating(model):
+                    rollout["old_logps"] = self.token_logps(model, rollout)
+        return rollouts
+
+    def _kept(self, model: torch.nn.Module, first: int, window: list[tuple[Mapping, torch.Tensor]]) -> list[dict]:
+        """The completions step `first` wrote for this step's prompts: kept since, or read from the checkpoint that
+        a run resumed within the cycle from (they cannot be written again: the policy that wrote them is gone).
+        A cycle whose first steps trainer.skip_steps dropped starts here instead."""
+        if self._cycle is None or self._cycle[0] != first:
+            kept = self._read_kept(first)
+            if kept is None:
+                if self._steps_taken == 0 and self.checkpoint is not None:
+                    raise UsageError(self._resumed_within(first, "the checkpoint holds none of them for this "
+                                                                 "process"))
+                log.info("objective.num_iterations=%d: step %d writes the completions of the steps up to %d (the "
+                         "cycle's first steps were dropped by trainer.skip_steps)", self.num_iterations,
+                         self.step + 1, first + self.num_iterations)
+                rollouts = self._written(model, window)
+                self._cycle = (first, rollouts)
+                return rollouts
+            self._cycle = (first, kept)
+        rollouts = self._cycle[1]
+        if len(rollouts) != len(window) or not all(torch.equal(rollout["prompts"], targets.to(rollout["prompts"]))
+                                                   for rollout, (_, targets) in zip(rollouts, window)):
+            raise UsageError(self._resumed_within(first, "this process's micro-batches hold other prompts than "
+                                                         "those it kept"))
+        return rollouts
+
+    def _resumed_within(self, first: int, why: str) -> str:
+        return (f"step {self.step + 1} trains again on the completions that step {first + 1} wrote "
+                f"(objective.num_iterations={self.num_iterations}), which each process keeps for its own "
+                f"micro-batches; {why}, as after a resume within those steps on another layout (processes x "
+                "micro-steps x data.batch_size). Resume on the layout that saved the checkpoint, or from a "
+                f"checkpoint at a step that is a multiple of {self.num_iterations}")
+
+    def _read_kept(self, first: int) -> Optional[list[dict]]:
+        """The completions of the cycle from step `first` in the checkpoint resumed from, for this process."""
+        if self.checkpoint is None:
+            return None
+        file = self.checkpoint / objective_state_file(self.accelerator.process_index)
+        if not file.is_file():
+            return None
+        kept, device = load_tree(verified(self.checkpoint, file)), self.accelerator.device
+        if kept["step"] != first:
+            return None
+        return [{key: value.to(device) for key, value in rollout.items()} for rollout in kept["rollouts"]]
+
+    def rank_state(self) -> dict[str, Any]:
+        """Within a cycle of num_iterations steps: the completions its next steps train on again."""
+        if self._cycle is None or (self.step + 1) % self.num_iterations == 0:
+            return {}
+        first, rollouts = self._cycle
+        return {"step": first, "rollouts": [{key: value.cpu() for key, value in rollout.items()}
+                                            for rollout in rollouts]}
+
+    def _add(self, sums: dict[str, torch.Tensor]) -> None:
+        """Adds to the sums of the training metrics named (out of place: the training pass may be compiled)."""
+        zero = self._sums.new_zeros(())
+        self._sums = self._sums + torch.stack([sums[name].float() if name in sums else zero
+                                               for name in self.trained_metrics])
 
     def _global_std(self, rewards: torch.Tensor) -> Optional[torch.Tensor]:
         """scale_rewards=batch: the standard deviation of the global batch's rewards (all processes'), the same
@@ -321,22 +432,36 @@ class GRPO(Objective):
             rollout = self.rollout(model, inputs, targets, EVALUATION, self.eval_generations)
             self._show(rollout, targets.tolist())
             return rollout
-        if self.reference is None:
+        if self.reference is None or "reference_logps" in inputs:
             return inputs
-        return {**inputs, "reference_logps": self.reference(model, inputs, targets)}
+        # Kept in the rollout: the later steps of num_iterations train on the same completions.
+        inputs["reference_logps"] = self.reference(model, inputs, targets)
+        return inputs
 
     def model_loss_sum(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> torch.Tensor:
         token_logps = self.token_logps(model, inputs)
         counted = inputs["labels"][:, 1:] != IGNORE_INDEX
-        ratio = torch.exp(token_logps - token_logps.detach())  # 1, with the policy gradient's gradient
-        per_token = -ratio * inputs["advantages"][:, None]
+        # The ratio to the policy that wrote the completions: this one at the first of num_iterations steps (1 in
+        # value, with the policy gradient's gradient), the log-probabilities it kept at the later ones.
+        log_ratio = token_logps - inputs.get("old_logps", token_logps.detach())
+        if self.importance_sampling_level == "sequence":  # GSPO: the mean over the completion's tokens
+            log_ratio = (log_ratio * counted).sum(-1, keepdim=True) / counted.sum(-1, keepdim=True).clamp(min=1)
+        ratio, advantages = torch.exp(log_ratio), inputs["advantages"][:, None]
+        clipped = ratio.clamp(1 - self.epsilon_low, 1 + self.epsilon_high)
+        per_token = -torch.min(ratio * advantages, clipped * advantages)  # PPO's pessimistic surrogate
+        sums = {}
         if "reference_logps" in inputs:  # k3 (Schulman): exp(r) - r - 1 >= 0, r = log(reference / policy)
             log_ratio = inputs["reference_logps"] - token_logps
             kl = torch.exp(log_ratio) - log_ratio - 1
             per_token = per_token + self.beta * (kl * ratio if self.use_bias_correction_kl else kl)
-            mean_kl = (kl * counted).sum(-1) / counted.sum(-1).clamp(min=1)
-            after = len(self.trained_metrics) - len(METRICS) - 1  # each reward's sum, with several
-            self._sums = self._sums + F.pad(mean_kl.detach().sum().reshape(1), (len(METRICS), after))
+            sums["kl"] = ((kl * counted).sum(-1) / counted.sum(-1).clamp(min=1)).detach().sum()
+        if self.num_iterations > 1:  # each completion's fraction of tokens whose ratio the clip held back
+            for name, held in (("low", (ratio < 1 - self.epsilon_low) & (advantages < 0)),
+                               ("high", (ratio > 1 + self.epsilon_high) & (advantages > 0))):
+                held = held.expand_as(counted) & counted
+                sums[f"clip_ratio/{name}"] = (held.sum(-1) / counted.sum(-1).clamp(min=1)).detach().sum()
+        if sums:
+            self._add(sums)
         per_completion = (per_token * counted).sum(-1)
         none = torch.zeros((), device=per_completion.device)
         if self.loss_type == "dapo":  # over the global batch's tokens, count()'s second term
