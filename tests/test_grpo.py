@@ -266,6 +266,20 @@ def test_a_cycle_of_num_iterations_steps_trains_on_the_completions_its_first_ste
         written(objective, model, prompt_batch(data, [1, 2]))
     named(str(error.value), "step 4 trains again on the completions that step 3 wrote",
           "objective.num_iterations=2", "other prompts", "a multiple of 2")
+    objective.before_step(5)  # trainer.skip_steps dropped step 4, its cycle's first: step 5 writes them
+    late = written(objective, model, batch)
+    torch.testing.assert_close(late["old_logps"], objective.token_logps(model, late))
+
+
+def test_a_resume_within_a_cycle_without_the_completions_kept_for_this_process_is_refused(tmp_path):
+    data = Data(["write a:", "write b:"])
+    objective, model = objective_and_model(data, num_iterations=2)
+    objective.checkpoint = tmp_path  # a checkpoint of step 3 that holds no objective_state_0.safetensors
+    objective.before_step(3)
+    with pytest.raises(UsageError) as error:
+        written(objective, model, prompt_batch(data, [0, 1]))
+    named(str(error.value), "step 4 trains again on the completions that step 3 wrote", "holds none of them",
+          "objective.num_iterations=2")
 
 
 @pytest.mark.parametrize("scale, divisor", [("group", "group"), (True, "group"), ("batch", "batch"),
@@ -477,8 +491,9 @@ def test_a_transformers_model_trains_the_same_under_fsdp_as_on_one_process_and_w
     max_completion_tokens, as every pass is a collective) train the weights and log the rewards of 1 process
     accumulating 2, their log-probabilities through the sharded output layer 7 positions at a time; with a LoRA
     adapter too, and objective.beta against its base, the adapter off. (GPT-2's key biases aside:
-    tests/test_preference.py's without_key_biases says why.) Without an adapter a reference copy is refused under
-    FSDP."""
+    tests/test_preference.py's without_key_biases says why.) The LoRA runs train each batch of completions twice
+    (num_iterations=2: the writing policy's log-probabilities through the sharded model). Without an adapter a
+    reference copy is refused under FSDP."""
     from tests.conftest import FSDP_ON_CPU
     from tests.test_preference import LORA, without_key_biases
 
@@ -487,7 +502,7 @@ def test_a_transformers_model_trains_the_same_under_fsdp_as_on_one_process_and_w
     common = [*QUIET, "data.batch_size=2", "trainer.max_steps=3", "objective.max_completion_tokens=30",
               "objective.temperature=20", "optimizer.lr=1e-3"]
     model = ("model=hf_causal_lm", f"model.pretrained={pretrained}")
-    for name, extra in (("full", []), ("lora", [LORA, "objective.beta=0.1"])):  # LoRA: its base is the reference
+    for name, extra in (("full", []), ("lora", [LORA, "objective.beta=0.1", "objective.num_iterations=2"])):
         one, sharded = tmp_path / f"{name}_one", tmp_path / f"{name}_fsdp"
         run(grpo_args(prompts, one, *common, *extra, "trainer.gradient_accumulation_steps=2", model=model))
         run(grpo_args(prompts, sharded, *common, *extra, "objective.chunk_tokens=7", model=model), nproc=2,
@@ -496,7 +511,8 @@ def test_a_transformers_model_trains_the_same_under_fsdp_as_on_one_process_and_w
         assert min(scalars(one, "train/clipped_ratio").values()) < 1, "no completion ended at <|endoftext|>"
         assert max_abs_diff(without_key_biases(sharded), without_key_biases(one)) <= 1e-5, name
     assert scalars(sharded, "train/kl") == pytest.approx(scalars(one, "train/kl"), abs=1e-6)
-    assert scalars(one, "train/kl")[1] == 0 < scalars(one, "train/kl")[3]
+    assert scalars(one, "train/kl")[1] == 0 < scalars(one, "train/kl")[3]  # LoRA: its base is the reference
+    assert scalars(sharded, "train/clip_ratio/high") == pytest.approx(scalars(one, "train/clip_ratio/high"), abs=1e-6)
     proc = run(grpo_args(prompts, tmp_path / "copy", *common, "objective.beta=0.1", model=model), nproc=2,
                check=False, **FSDP_ON_CPU)
     assert proc.returncode != 0 and "step 1/" not in proc.stdout
