@@ -115,11 +115,11 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     data_changed = bool(checkpoint) and check_same_data(checkpoint, fingerprint, cfg.trainer.resume_with_changed_data)
     layout = TrainState(batch_size=data.batch_size, num_processes=accelerator.num_processes,
                         gradient_accumulation_steps=cfg.trainer.gradient_accumulation_steps)
-    if checkpoint and cfg.trainer.resume_with_new_global_batch:
-        check_length_in_epochs(checkpoint, layout, cfg.trainer.max_epochs)
-    # Whole global batches; epochs -> steps; each batch as many steps as the objective trains on it (GRPO's).
+    # Each global batch as many steps in a row as the objective trains on it (GRPO's num_iterations).
     repeats = OmegaConf.select(cfg, "objective.num_iterations", default=1)
-    epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout, repeats)
+    if checkpoint and cfg.trainer.resume_with_new_global_batch:
+        check_length_in_epochs(checkpoint, layout, cfg.trainer.max_epochs, repeats)
+    epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout, repeats)  # whole batches; epochs -> steps
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
     if checkpoint:  # a new length or schedule: taken where the steps already taken keep their learning rates
         cfg = schedule_for_resume(cfg, checkpoint, overrides)

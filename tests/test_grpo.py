@@ -415,7 +415,7 @@ def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resume
     batches (dapo's token count and scale_rewards=batch's deviation are the global batch's; prompts of several
     lengths written together); a run killed after a checkpoint resumes to the same rewards and weights, bitwise.
     With num_iterations=2 the checkpoint falls within a cycle: the resume trains on the completions it kept (and is
-    refused on another layout, whose processes did not keep them)."""
+    refused on another layout, whose processes did not keep them, and with another global batch)."""
     prompts = letter_prompts(tmp_path / "letters.jsonl", varied=True)
     common = [*QUIET, "data.batch_size=2", "trainer.max_steps=6", "trainer.checkpoint_every=3", *options]
     one, two, killed = (tmp_path / name for name in ("one", "two", "killed"))
@@ -444,6 +444,10 @@ def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resume
         assert proc.returncode != 0 and "step 4/" not in proc.stdout  # torch's launcher reports its ranks' exits
         named(proc.stdout, "objective.num_iterations=2", "step 4 trains again on the completions that step 3 wrote",
               "a multiple of 2")
+        proc = run(grpo_args(prompts, tmp_path / "bigger", *common, "trainer.gradient_accumulation_steps=4",
+                             "trainer.resume_with_new_global_batch=true", f"resume={checkpoint}"), check=False)
+        refused(proc, "trainer.resume_with_new_global_batch", "objective.num_iterations=2", "4 samples",
+                "batches of 8", "trainer.init_weights=")
     run(grpo_args(prompts, killed, *common, "trainer.gradient_accumulation_steps=2", "resume=auto"))
     assert scalars(killed, "train/reward") == scalars(one, "train/reward")
     assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0

@@ -86,11 +86,19 @@ POSITION_KEYS = ("step", "epoch", "samples_into_epoch", "best_metric", "best_ste
                  "evals_without_improvement")
 
 
-def check_length_in_epochs(checkpoint: Path, state: TrainState, max_epochs: Optional[int]) -> None:
+def check_length_in_epochs(checkpoint: Path, state: TrainState, max_epochs: Optional[int], repeats: int = 1) -> None:
     """trainer.max_epochs counts the run in steps of its global batch: with a new one (resume_with_new_global_batch)
-    the steps already taken would be counted again in other units, so the length must be given in steps."""
+    the steps already taken would be counted again in other units, so the length must be given in steps. An epoch
+    whose global batches each come `repeats` times (objective.num_iterations) is grouped by the batch's size: a new
+    one cannot take it on mid-way."""
     saved = json.loads((checkpoint / STATE_FILE).read_text())
     written = TrainState(**{key: saved[key] for key in ("batch_size", "num_processes", "gradient_accumulation_steps")})
+    if repeats > 1 and written.global_batch != state.global_batch:
+        raise UsageError(f"trainer.resume_with_new_global_batch with objective.num_iterations={repeats}: the epoch "
+                         f"gives each global batch of {written.global_batch} samples {repeats} times in a row, up to "
+                         f"step {saved['step']}; batches of {state.global_batch} would regroup it mid-way. Resume "
+                         "with the same global batch, or start a new run from these weights "
+                         f"(trainer.init_weights={checkpoint})")
     if max_epochs is not None and written.global_batch != state.global_batch:
         raise UsageError(f"trainer.resume_with_new_global_batch with trainer.max_epochs={max_epochs}: the run's length "
                          f"counts steps of {written.global_batch} samples up to step {saved['step']}, and of "
