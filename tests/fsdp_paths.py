@@ -1,6 +1,7 @@
 """Our code on FSDP2-sharded weights, on a real process group (torchrun --nproc_per_node 2, CPU/gloo): accelerate
 runs its FSDP plugin only on GPUs, so the model is sharded here with torch's own fully_shard, as the plugin
-does. Clipping and the non-finite check on a DTensor norm, and the export of sharded, tied weights. Rank 0
+does. Clipping and the non-finite check on a DTensor norm, a distillation teacher's and GRPO's generation's
+gathering, and the export of sharded, tied weights. Rank 0
 prints one JSON line of what it found; any failure raises."""
 
 import json
@@ -66,6 +67,53 @@ for chunk_tokens in (None, 5):
         teacher_losses.append(Forward(objective, compile=False)._loss_sum(sharded, inputs, y).item())
 assert abs(teacher_losses[0] - teacher_losses[1]) < 1e-5 * abs(teacher_losses[0]), teacher_losses
 
+# GRPO's generation on sharded weights: with gather_for_generation every block is gathered by the first pass and kept
+# so until generation ends (a rollout's all-gathers do not grow with its tokens), then sharded again, and resharded
+# after each forward as before; the completions are those that passes gathering every time write.
+from src.data.tokenizer import Codec  # noqa: E402
+from src.objectives.grpo import GRPO  # noqa: E402
+
+
+class Prompts:
+    codec, block_size = Codec("byte"), 32
+    rows = [{"prompt": "write a:", "letter": "a"}, {"prompt": "now write b:", "letter": "b"}]
+
+
+torch.manual_seed(0)
+policy = GPT(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32)
+for block in policy.blocks:
+    fully_shard(block, mesh=mesh)
+fully_shard(policy, mesh=mesh)
+gathers, all_gather_single = [], torch.distributed.all_gather_single
+
+
+def counted_all_gather(*args, **kwargs):  # FSDP2's all-gather of a module's weights, counted, then made
+    gathers[-1] += 1
+    return all_gather_single(*args, **kwargs)
+
+
+torch.distributed.all_gather_single = counted_all_gather
+prompt_ids = [torch.tensor(list(row["prompt"].encode())) for row in Prompts.rows]
+inputs = {"input_ids": torch.nn.utils.rnn.pad_sequence(prompt_ids, batch_first=True),
+          "prompt_tokens": torch.tensor([len(ids) for ids in prompt_ids])}
+grpo_gathers, grpo_completions = {}, {}
+for gather in (True, False):
+    for tokens in (4, 12):
+        objective = GRPO(reward="tests.grpo_rewards.letter_share", num_generations=2, max_completion_tokens=tokens,
+                         gather_for_generation=gather)
+        objective.start(accelerator, policy, Prompts(), None, None)
+        objective.sharded, objective.passes_gather = True, not gather  # what start() finds under accelerate's FSDP
+        gathers.append(0)
+        rollout = objective.rollout(policy, inputs, torch.tensor([0, 1]), 0, 2)
+        grpo_gathers[f"{gather} {tokens}"] = gathers[-1]
+        grpo_completions[f"{gather} {tokens}"] = rollout["input_ids"].tolist()
+        for after in (1, 2):  # the blocks sharded again by the rollout's end, and after each forward since
+            gathers.append(0)
+            with torch.no_grad():
+                policy(inputs["input_ids"])
+            grpo_gathers[f"{gather} {tokens} forward {after}"] = gathers[-1]
+torch.distributed.all_gather_single = all_gather_single
+
 with tempfile.TemporaryDirectory() as tmp:
     optimizer = torch.optim.AdamW(sharded.parameters(), fused=True)  # found_inf: a bad step changes nothing
     before = {name: plain(p).clone() for name, p in sharded.named_parameters()}
@@ -90,6 +138,7 @@ with tempfile.TemporaryDirectory() as tmp:
         tied = loaded.lm_head.weight is loaded.tok_emb.weight
         same = all(torch.equal(loaded.state_dict()[k], v) for k, v in whole.state_dict().items())
         print(json.dumps({"tied": tied, "weights_equal": same, "norm": norm.item(),
-                          "teacher_sharded_after_its_forward": teacher_sharded}), flush=True)
+                          "teacher_sharded_after_its_forward": teacher_sharded, "grpo_gathers": grpo_gathers,
+                          "grpo_completions": grpo_completions}), flush=True)
     accelerator.wait_for_everyone()
 accelerator.end_training()

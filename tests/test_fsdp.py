@@ -352,12 +352,22 @@ def test_what_needs_whole_weights_is_refused_under_fsdp_before_training_naming_t
     assert "step 1/" not in proc.stdout and not (run_dir / "checkpoints").exists()
 
 
-def test_clipping_the_nonfinite_check_the_export_and_a_teacher_work_on_sharded_tied_weights():
-    """A distillation teacher's weights are sharded again after each forward (whole logits and chunked)."""
+def test_clipping_the_nonfinite_check_the_export_a_teacher_and_generation_work_on_sharded_tied_weights():
+    """A distillation teacher's weights are sharded again after each forward (whole logits and chunked). GRPO's
+    generation with gather_for_generation all-gathers each module's weights once per rollout, however many tokens
+    it writes (without it: again for every token), shards the blocks again at its end and leaves them resharded
+    after each forward as before (2 blocks gathered by each forward after it); the same completions either way."""
     proc = run([], script="tests/fsdp_paths.py", nproc=2, launcher="torchrun")
     found = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert found["tied"] and found["weights_equal"], found
     assert found["teacher_sharded_after_its_forward"] == [True, True], found
+    gathers, completions = found["grpo_gathers"], found["grpo_completions"]
+    # Once each: the two blocks and, the first time, the root (FSDP2 keeps the root's gathered after a forward).
+    assert (gathers["True 4"], gathers["True 12"]) == (3, 2), gathers
+    assert (gathers["False 4"], gathers["False 12"]) == (4 * 2, 12 * 2), gathers  # each block for every token
+    assert all(gathers[f"{gather} {tokens} forward {after}"] == 2 for gather in (True, False) for tokens in (4, 12)
+               for after in (1, 2)), gathers
+    assert completions["True 4"] == completions["False 4"] and completions["True 12"] == completions["False 12"]
 
 
 @pytest.mark.parametrize("kind", ["gpt", pytest.param("lora", marks=[pytest.mark.skipif(

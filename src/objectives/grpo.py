@@ -39,15 +39,18 @@ micro-steps, a resumed run draws what the run it continues would have drawn, and
 (dropout, data order) is left untouched.
 
 Generation, without gradients or dropout, in the run's precision, through the model's own forward (under FSDP the
-root module's, which gathers the weights), with a KV cache (a transformers model's, or src/models/gpt.py's).
+root module's, which gathers the weights: with gather_for_generation, the default, each block's once for the whole
+generation, kept gathered until it ends, instead of again for every token), with a KV cache (a transformers
+model's, or src/models/gpt.py's).
 The micro-batch's prompts are written together, left-padded to the longest, each from its own stream (2.2 times the
 walkthrough's tokens/s of one prompt's group at a time, the same draws): a micro-batch holds the same prompts on
 every layout of the same data.batch_size, so the padding, and what rounding it brings, is the same there too.
 generation_batch=prompt writes one prompt's group at a time (unpadded; a model without position_ids does so).
 A completion ends at the tokenizer's end-of-text token, which it is trained to write, or after
-max_completion_tokens; under FSDP every rank writes max_completion_tokens (each pass is a collective), and what
-follows an end is dropped. Generation is a step's slow part: TRL and OpenRLHF hand it to vLLM for large models; here
-it stays in the training process (one copy of the weights, nothing to synchronise), which suits small models.
+max_completion_tokens; under FSDP without gather_for_generation every rank writes max_completion_tokens (each pass
+is a collective), and what follows an end is dropped. Generation is a step's slow part: TRL and OpenRLHF hand it to
+vLLM for large models; here it stays in the training process (one copy of the weights, nothing to synchronise), which
+suits small models.
 
 The reward function (`objective.reward`, a dotted path) has TRL's signature: reward(prompts, completions,
 **columns) -> one float per completion. `prompts` are the rows' prompts as the file writes them (strings or message
@@ -62,6 +65,7 @@ Evaluation writes eval_generations completions per validation prompt from a stre
 reports eval/reward (the default trainer.monitor, higher better), eval/completion_length, eval/clipped_ratio.
 """
 
+import contextlib
 import inspect
 import json
 import logging
@@ -192,6 +196,11 @@ class GRPO(Objective):
                      "micro_batch: the micro-batch's prompts written together (left-padded; the same on any "
                      "layout of the same data.batch_size); prompt: one prompt's group at a time, slower, its "
                      "completions never touched by its neighbours' padding (the kernels' rounding)")] = "micro_batch",
+                 gather_for_generation: Annotated[bool, Arg(
+                     "under FSDP, gather each block's weights once for a micro-batch's whole generation and keep "
+                     "them until it ends, instead of all-gathering them again for every token written (the whole "
+                     "model on every process meanwhile; TRL's ds3_gather_for_generation); false: for a model whose "
+                     "whole weights do not fit beside the training's state")] = True,
                  seed: Annotated[int, Arg("seeds the completions (with the step and the prompt's number)")] = 0,
                  target_key: Annotated[str, Arg("the batch key numbering the prompts")] = "prompt_index"):
         super().__init__(target_key=target_key)
@@ -223,7 +232,7 @@ class GRPO(Objective):
         self._cycle: Optional[tuple[int, list[dict]]] = None
         self.checkpoint, self._steps_taken = None, 0  # where a resume within a cycle finds its completions
         self.chunk_tokens = chunk_tokens
-        self.generation_batch = generation_batch
+        self.generation_batch, self.gather_for_generation = generation_batch, gather_for_generation
         self.log_completions, self._shown = log_completions, []  # evaluation's completions shown (Markdown each)
         clip_ratios = ("clip_ratio/low", "clip_ratio/high") if num_iterations > 1 else ()
         self.trained_metrics = (METRICS + (("kl",) if beta else ()) + clip_ratios
@@ -245,6 +254,8 @@ class GRPO(Objective):
                              f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
         self._sums = torch.zeros(len(self.trained_metrics), device=accelerator.device)
         self.sharded = sharded(accelerator)
+        # Whether each pass of generation is a collective (FSDP's all-gathers), which every rank must make alike.
+        self.passes_gather = self.sharded and not self.gather_for_generation
         if self.generation_batch == "micro_batch" and not takes(accelerator.unwrap_model(model), "position_ids"):
             self.generation_batch = "prompt"
             if accelerator.is_main_process:
@@ -518,7 +529,7 @@ class GRPO(Objective):
         # Each prompt's own random stream: the same draws whatever else is generated beside it, and training's
         # random state untouched.
         streams = [torch.Generator(device).manual_seed(seed_of(self.seed, step, index)) for index in targets.tolist()]
-        with evaluating(inner), self.accelerator.autocast():
+        with evaluating(inner), self.accelerator.autocast(), self._gathered(inner):
             if self.generation_batch == "prompt":
                 completions = [row for prompt, stream in zip(prompts, streams)
                                for row in self._generate(inner, [prompt], [stream], group)]
@@ -555,9 +566,9 @@ class GRPO(Objective):
         penalty, top_p) that objective.* does not name, and under FSDP with a LoRA adapter it bypasses the root
         module whose forward gathers the weights. A transformers model (or peft's wrapper of one) is called with
         its KV cache, ours (src/models/gpt.py) with its own (a left pad is a document of its own there), any other
-        model with its whole context each time. Sampling
-        stops once every row has written the end token, except under FSDP, where every rank must make the same
-        number of passes."""
+        model with its whole context each time. Sampling stops once every row has written the end token, except
+        where each pass all-gathers weights (FSDP without gather_for_generation): every rank must then make the same
+        number of passes. (With it, the first pass, which every rank makes, gathers them all.)"""
         end, device = self.codec.end_of_text, prompts[0].device
         width = max(len(prompt) for prompt in prompts)
         ids = torch.stack([F.pad(prompt, (width - len(prompt), 0)) for prompt in prompts]).repeat_interleave(group, 0)
@@ -592,7 +603,7 @@ class GRPO(Objective):
             new_positions = positions[:, -1:] + 1
             positions = torch.cat([positions, new_positions], dim=1)
             attention = torch.cat([attention, torch.ones_like(context)], dim=1)
-            if end is not None and not self.sharded:
+            if end is not None and not self.passes_gather:
                 ended |= context[:, 0] == end
                 if ended.all():  # a host read per token, as transformers' generate makes
                     break
@@ -601,6 +612,30 @@ class GRPO(Objective):
             cut = row.index(end) + 1 if end is not None and end in row else len(row)  # the end token kept
             completions.append(row[:cut])
         return completions
+
+    @contextlib.contextmanager
+    def _gathered(self, model: torch.nn.Module):
+        """Under FSDP with gather_for_generation: every block's weights, once gathered by the first pass, kept so
+        until generation ends (no further all-gather), then sharded again. The root's stay as FSDP2 keeps them
+        after a forward (gathered, for the training pass that follows)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not (self.sharded and self.gather_for_generation):
+            yield
+            return
+        sharded_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+        blocks = sharded_modules[1:]  # the first is the root, the outermost
+        # FSDP2 sets reshard_after_forward but does not say it: read from its parameter groups to set it back.
+        before = [any(group.post_forward_mesh_info is not None
+                      for group in block._get_fsdp_state()._fsdp_param_groups) for block in blocks]
+        for block in blocks:
+            block.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for block, reshards in zip(blocks, before):
+                block.set_reshard_after_forward(reshards, recurse=False)
+                block.reshard()
 
     def _scored(self, batch: dict) -> torch.Tensor:
         """The reward model's value at each row's last token, the end-of-text token where the completion wrote it
