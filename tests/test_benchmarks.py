@@ -126,7 +126,8 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
      and r["teacher 2x64"]["teacher_mib"]),
     (["grpo", "--repeats", "1", "--steps", "6", "--layers", "1", "--width", "64", "--prompts", "2", "--generations",
       "2", "--completion", "8", "--log-every", "2"],
-     lambda r: r["ours micro_batch over trl, step time"] * r["ours prompt over trl, step time"]),
+     lambda r: r["ours micro_batch over trl, step time"] * r["ours prompt over trl, step time"]
+     * r["ours num_iterations=2 over trl num_iterations=2, step time"]),
 ], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data", "preference", "preference-packing",
         "optimizers", "schedules", "distill", "loss-memory-distill", "teacher-memory", "grpo"])
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
