@@ -22,6 +22,8 @@ PRIVATE_NAMES = {
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"): "pretrained_slices",
     ("torch.distributed.distributed_c10d", "_get_default_store"): "faults/hang_watch",
     ("torch.nn.modules.batchnorm", "_BatchNorm"): "loop/sync_batchnorm",
+    ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state"): "objectives/grpo._gathered",
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState()._fsdp_param_groups"): "objectives/grpo._gathered",
     ("torch._dynamo", "maybe_mark_dynamic"): "loop/forward",
     ("torch.optim._muon", "_zeropower_via_newtonschulz"): "optim/muon.WholeMatrixMuon",
     ("torch.optim._muon", "_adjust_lr"): "optim/muon.WholeMatrixMuon",
