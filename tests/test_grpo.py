@@ -233,6 +233,27 @@ def test_the_loss_and_its_gradient_equal_trls_grpo_trainer_on_the_same_completio
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.7, "top_k": 5}], ids=["plain", "tempered_top_k"])
+def test_a_completions_entropy_is_the_policys_per_token_entropy_at_the_temperature_before_top_k(options):
+    """train/entropy and eval/entropy: each completion's mean, over the tokens it wrote (its end token included,
+    nothing after it), of the entropy of the distribution the policy gave each of them, at the temperature and
+    before top_k or top_p keep some of it (TRL's), computed from the model's pass over the whole completion."""
+    end = ord("\n")
+    data = Data(["write a:", "now, write b:"], end_of_text=end)  # some completions end early
+    objective, gpt = objective_and_model(data, max_completion_tokens=8, **options)
+    model = WritesTheEndOften(gpt, end)
+    rollout = written(objective, model, prompt_batch(data, [0, 1]))
+    lengths = (rollout["labels"] != -100).sum(-1)
+    assert 1 <= lengths.min() < lengths.max()  # rows that ended at different tokens
+    with torch.no_grad():
+        logits = model(rollout["input_ids"]).float() / options.get("temperature", 1.0)
+    token_entropy = torch.special.entr(logits.softmax(-1)).sum(-1)[:, :-1]  # position t predicts token t + 1
+    counted = rollout["labels"][:, 1:] != -100
+    expected = (token_entropy * counted).sum(-1) / counted.sum(-1)
+    torch.testing.assert_close(rollout["entropy"], expected, rtol=1e-4, atol=1e-5)
+    assert objective.training_metrics()["entropy"] == pytest.approx(expected.sum().item(), rel=1e-4)
+
+
 def test_a_cycle_of_num_iterations_steps_trains_on_the_completions_its_first_step_wrote():
     """num_iterations=2: step 0 writes the prompts' completions and keeps the log-probabilities of the policy that
     wrote them; step 1, given the same prompts, trains on those again (the same completions, advantages and
@@ -382,7 +403,7 @@ def test_final_number_rewards_the_number_after_the_last_marker_or_else_the_last_
 def test_grpo_teaches_a_model_from_scratch_to_write_what_the_reward_asks(tmp_path):
     """The reward is the share of the completion that is the letter its prompt names: a random model scores about
     1/256; after 200 steps most of what it writes is the letter asked for, as each evaluation's completions shown in
-    TensorBoard say."""
+    TensorBoard say, and the policy's entropy has fallen from a uniform byte's."""
     run_dir = tmp_path / "letters"
     log = run(grpo_args(letter_prompts(tmp_path / "letters.jsonl"), run_dir, "objective.num_generations=16",
                         "data.batch_size=4", "trainer.max_steps=200", "trainer.eval_every=100", "trainer.log_every=20",
@@ -391,6 +412,8 @@ def test_grpo_teaches_a_model_from_scratch_to_write_what_the_reward_asks(tmp_pat
     reward = scalars(run_dir, "eval/reward")
     assert reward[0] < 0.05 and reward[200] > 0.3, reward
     assert scalars(run_dir, "train/reward_std")[20] > 0 and scalars(run_dir, "train/clipped_ratio")[200] == 1
+    entropy = scalars(run_dir, "eval/entropy")  # the policy narrows onto the letters: ln 256 = 5.5 nats at start
+    assert entropy[0] > 5 > 2 > entropy[200] > 0 and scalars(run_dir, "train/entropy")[200] < 2, entropy
 
     shown, best = texts(run_dir, "completions"), {}
     assert sorted(shown) == [0, 100, 200]
@@ -563,7 +586,7 @@ def test_a_model_writes_with_its_kv_cache_what_it_writes_reading_its_whole_conte
     for generator in (model, Uncached(model)):
         streams = [torch.Generator().manual_seed(i) for i in range(2)]
         with torch.no_grad():
-            written.append(objective._generate(generator, prompts, streams, 4))
+            written.append(objective._generate(generator, prompts, streams, 4)[0])
     assert written[0] == [row[:len(cached)] for row, cached in zip(written[1], written[0])]
     end = data.codec.end_of_text
     assert any(row[-1] == end for row in written[0]), "no row ended: nothing shows the stop"
@@ -620,9 +643,9 @@ def test_prompts_written_together_left_padded_draw_what_each_draws_alone(kind, p
     prompts = [torch.tensor(data.codec.encode(text)) for text in texts]
     state = torch.get_rng_state()
     with torch.no_grad():
-        together = objective._generate(model, prompts, [torch.Generator().manual_seed(i) for i in range(3)], 8)
+        together = objective._generate(model, prompts, [torch.Generator().manual_seed(i) for i in range(3)], 8)[0]
         alone = [row for i, prompt in enumerate(prompts)
-                 for row in objective._generate(model, [prompt], [torch.Generator().manual_seed(i)], 8)]
+                 for row in objective._generate(model, [prompt], [torch.Generator().manual_seed(i)], 8)[0]]
     assert torch.equal(torch.get_rng_state(), state)
     assert sum(a == b for a, b in zip(together, alone)) >= 22, (together, alone)  # of 24: rounding may flip a draw
     assert len({tuple(row) for row in together}) > 12  # written, not copied

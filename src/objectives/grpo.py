@@ -59,10 +59,13 @@ the rows' other columns, lists aligned with the completions. src/objectives/rewa
 
 Training reports TRL's numbers: train/reward, train/reward_std (the groups' mean standard deviation: zero means
 nothing to learn from), train/completion_length, train/clipped_ratio (completions cut at max_completion_tokens),
+train/entropy (the completions' mean entropy per token of the policy they were drawn from: a collapse towards 0
+means little left to explore),
 with beta train/kl (the completions' mean token divergence), with several rewards train/rewards/NAME (each one's
 mean, unweighted).
 Evaluation writes eval_generations completions per validation prompt from a stream seeded without the step, and
-reports eval/reward (the default trainer.monitor, higher better), eval/completion_length, eval/clipped_ratio.
+reports eval/reward (the default trainer.monitor, higher better), eval/completion_length, eval/clipped_ratio,
+eval/entropy.
 """
 
 import contextlib
@@ -91,7 +94,7 @@ from src.schema.signature import Arg
 
 log = logging.getLogger(__name__)
 
-METRICS = ("reward", "reward_std", "completion_length", "clipped_ratio")  # and kl, with objective.beta
+METRICS = ("reward", "reward_std", "completion_length", "clipped_ratio", "entropy")  # and kl, with objective.beta
 MODEL_INPUTS = ("input_ids", "attention_mask")
 EVALUATION = 1 << 40  # the "step" that seeds evaluation's completions: never a training step
 
@@ -127,7 +130,7 @@ def reward_function(path: str) -> Callable:
 
 
 class GRPO(Objective):
-    metric_names: ClassVar[tuple[str, ...]] = ("reward", "completion_length", "clipped_ratio")
+    metric_names: ClassVar[tuple[str, ...]] = ("reward", "completion_length", "clipped_ratio", "entropy")
     default_monitor: ClassVar[tuple[str, str]] = ("eval/reward", "max")  # no eval/loss: the loss means nothing here
     trains_on_prompts: ClassVar[bool] = True  # checked against data=prompts before the run starts
     loss_spikes_matter: ClassVar[bool] = False  # the loss is about 0 in value: trainer.spike_factor watches nothing
@@ -333,6 +336,7 @@ class GRPO(Objective):
             self._add({"reward": rollout["rewards"].sum(),
                        "reward_std": rollout["rewards"].view(-1, group).std(-1).sum() * group,
                        "completion_length": rollout["lengths"].sum(), "clipped_ratio": rollout["clipped"].sum(),
+                       "entropy": rollout["entropy"].sum(),
                        **{f"rewards/{name}": scores.sum() for name, scores in zip(self.per_reward,
                                                                                    rollout["scores"])}})
         return [(rollout, rollout["labels"]) for rollout in rollouts]
@@ -491,7 +495,7 @@ class GRPO(Objective):
         weight = torch.full((per_prompt,), float(self.eval_generations), device=targets.device)
         return {name: (inputs[key].view(per_prompt, -1).sum(-1), weight)
                 for name, key in (("reward", "rewards"), ("completion_length", "lengths"),
-                                  ("clipped_ratio", "clipped"))}
+                                  ("clipped_ratio", "clipped"), ("entropy", "entropy"))}
 
     def _show(self, rollout: dict, indices: list[int]) -> None:
         """The first completion of each of the batch's prompts, until log_completions are kept."""
@@ -531,10 +535,11 @@ class GRPO(Objective):
         streams = [torch.Generator(device).manual_seed(seed_of(self.seed, step, index)) for index in targets.tolist()]
         with evaluating(inner), self.accelerator.autocast(), self._gathered(inner):
             if self.generation_batch == "prompt":
-                completions = [row for prompt, stream in zip(prompts, streams)
-                               for row in self._generate(inner, [prompt], [stream], group)]
+                written = [self._generate(inner, [prompt], [stream], group) for prompt, stream in zip(prompts, streams)]
+                completions = [row for rows, _ in written for row in rows]
+                entropy = torch.cat([sums for _, sums in written])
             else:
-                completions = self._generate(inner, prompts, streams, group)
+                completions, entropy = self._generate(inner, prompts, streams, group)
         prompt_rows = [prompt.tolist() for prompt in prompts for _ in range(group)]
         batch = self._rows(prompt_rows, completions, device)
         scores = self._function_scores(targets.tolist(), completions, group).to(device)
@@ -544,7 +549,8 @@ class GRPO(Objective):
         end = self.codec.end_of_text
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=device)
         clipped = torch.tensor([float(not c or c[-1] != end) for c in completions], device=device)
-        return {**batch, "rewards": rewards, "lengths": lengths, "clipped": clipped, "scores": scores}
+        return {**batch, "rewards": rewards, "lengths": lengths, "clipped": clipped, "scores": scores,
+                "entropy": entropy / lengths.clamp(min=1)}
 
     def _cropped(self, prompt: torch.Tensor) -> torch.Tensor:
         """The prompt's last tokens that leave room for a whole completion in the model's context."""
@@ -557,10 +563,11 @@ class GRPO(Objective):
         return prompt[-room:]
 
     def _generate(self, model: torch.nn.Module, prompts: list[torch.Tensor], streams: list[torch.Generator],
-                  group: int) -> list[list[int]]:
+                  group: int) -> tuple[list[list[int]], torch.Tensor]:
         """`group` completions of each prompt (token ids, the end token kept, none after it), each prompt's drawn
         from its own stream, all prompts written together: left-padded to the longest, with position ids that
-        start at each one's first token.
+        start at each one's first token; and each completion's summed entropy of the distributions its tokens were
+        drawn from, at the temperature, before top_k and top_p (the policy's, as TRL reports it).
 
         Not transformers' generate: it would apply a pretrained generation_config's processors (a repetition
         penalty, top_p) that objective.* does not name, and under FSDP with a LoRA adapter it bypasses the root
@@ -579,7 +586,8 @@ class GRPO(Objective):
         transformers_cache = hasattr(model, "generation_config")
         ours = None if transformers_cache or not takes(model, "cache") else KVCache()  # src/models/gpt.py's
         cache, context, new_positions = None, ids, positions
-        ended = torch.zeros(len(ids), dtype=torch.bool, device=device)
+        writing = torch.ones(len(ids), dtype=torch.bool, device=device)  # the rows that have not ended
+        entropy = torch.zeros(len(ids), device=device)
         for _ in range(self.max_completion_tokens):
             if transformers_cache:
                 where = {"attention_mask": attention, "position_ids": new_positions} if padded else {}
@@ -591,27 +599,30 @@ class GRPO(Objective):
             else:
                 logits = call_model(model, {"input_ids": ids, "position_ids": positions} if padded else ids)[:, -1]
             logits = logits.float() / self.temperature
+            probabilities = logits.softmax(-1)
+            entropy += torch.special.entr(probabilities).sum(-1) * writing
             if self.top_k is not None:
                 kth = torch.topk(logits, min(self.top_k, logits.shape[-1])).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, -math.inf)
             if self.top_p < 1:
                 logits = nucleus(logits, self.top_p)
-            probabilities = logits.softmax(-1)
+            if self.top_k is not None or self.top_p < 1:
+                probabilities = logits.softmax(-1)
             context = torch.cat([torch.multinomial(rows, 1, generator=stream) for rows, stream in
                                  zip(probabilities.split(group), streams)])
             ids = torch.cat([ids, context], dim=1)
             new_positions = positions[:, -1:] + 1
             positions = torch.cat([positions, new_positions], dim=1)
             attention = torch.cat([attention, torch.ones_like(context)], dim=1)
-            if end is not None and not self.passes_gather:
-                ended |= context[:, 0] == end
-                if ended.all():  # a host read per token, as transformers' generate makes
+            if end is not None:
+                writing &= context[:, 0] != end
+                if not self.passes_gather and not writing.any():  # a host read per token, as transformers' makes
                     break
         completions = []
         for row in ids[:, width:].tolist():
             cut = row.index(end) + 1 if end is not None and end in row else len(row)  # the end token kept
             completions.append(row[:cut])
-        return completions
+        return completions, entropy
 
     @contextlib.contextmanager
     def _gathered(self, model: torch.nn.Module):
