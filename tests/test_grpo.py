@@ -235,9 +235,9 @@ def test_the_loss_and_its_gradient_equal_trls_grpo_trainer_on_the_same_completio
 
 @pytest.mark.parametrize("options", [{}, {"temperature": 0.7, "top_k": 5}], ids=["plain", "tempered_top_k"])
 def test_a_completions_entropy_is_the_policys_per_token_entropy_at_the_temperature_before_top_k(options):
-    """train/entropy and eval/entropy: each completion's mean, over the tokens it wrote (its end token included,
-    nothing after it), of the entropy of the distribution the policy gave each of them, at the temperature and
-    before top_k or top_p keep some of it (TRL's), computed from the model's pass over the whole completion."""
+    """train/entropy and eval/entropy: the mean, over the tokens written (an end token included, nothing after
+    it), of the entropy of the distribution the policy gave each of them, at the temperature and before top_k or
+    top_p keep some of it (TRL's), computed from the model's pass over the whole completion."""
     end = ord("\n")
     data = Data(["write a:", "now, write b:"], end_of_text=end)  # some completions end early
     objective, gpt = objective_and_model(data, max_completion_tokens=8, **options)
@@ -249,9 +249,10 @@ def test_a_completions_entropy_is_the_policys_per_token_entropy_at_the_temperatu
         logits = model(rollout["input_ids"]).float() / options.get("temperature", 1.0)
     token_entropy = torch.special.entr(logits.softmax(-1)).sum(-1)[:, :-1]  # position t predicts token t + 1
     counted = rollout["labels"][:, 1:] != -100
-    expected = (token_entropy * counted).sum(-1) / counted.sum(-1)
+    expected = (token_entropy * counted).sum(-1)  # each completion's sum; reported over the tokens written
     torch.testing.assert_close(rollout["entropy"], expected, rtol=1e-4, atol=1e-5)
-    assert objective.training_metrics()["entropy"] == pytest.approx(expected.sum().item(), rel=1e-4)
+    torch.testing.assert_close(objective.training_metrics()["entropy"],
+                               torch.stack([expected.sum(), counted.sum().float()]), rtol=1e-4, atol=1e-5)
 
 
 def test_a_cycle_of_num_iterations_steps_trains_on_the_completions_its_first_step_wrote():
@@ -368,12 +369,13 @@ def test_a_completion_ends_at_the_end_of_text_token_which_is_trained_and_not_sho
 
 def test_mask_truncated_completions_trains_on_the_completions_that_ended_only():
     """A completion cut at max_completion_tokens keeps its reward and metrics but has no trained token: the loss,
-    its gradient and dapo's token count are those of the completions that wrote the end token."""
+    its gradient, dapo's token count and train/kl's (a mean over the tokens trained on) are those of the
+    completions that wrote the end token."""
     end = ord("\n")
     data = Data(["write a:", "a longer prompt, write a:"], end_of_text=end)
     results = []
     for mask in (False, True):
-        objective, gpt = objective_and_model(data, max_completion_tokens=10, mask_truncated_completions=mask)
+        objective, gpt = objective_and_model(data, max_completion_tokens=10, mask_truncated_completions=mask, beta=0.1)
         model = WritesTheEndOften(gpt, end)
         rollout = written(objective, model, prompt_batch(data, [0, 1]))
         results.append((objective, model, rollout))
@@ -385,7 +387,9 @@ def test_mask_truncated_completions_trains_on_the_completions_that_ended_only():
     assert torch.equal(masked["labels"][~clipped], kept["labels"][~clipped])
     assert objective.count(masked["labels"])[1] == (kept["labels"][~clipped] != -100).sum()
     ended = {k: v[~clipped] if isinstance(v, torch.Tensor) and len(v) == len(clipped) else v for k, v in kept.items()}
+    objective.training_metrics()  # what writing them recorded
     loss = objective.model_loss_sum(model, masked, None).sum()
+    assert objective.training_metrics()["kl"][1] == objective.count(masked["labels"])[1]
     torch.testing.assert_close(loss, objective.model_loss_sum(model, ended, None).sum())
     embedding = model.gpt.tok_emb.weight
     torch.testing.assert_close(torch.autograd.grad(loss, [embedding])[0], torch.autograd.grad(
@@ -741,7 +745,7 @@ def test_beta_adds_each_tokens_kl_divergence_from_the_starting_weights_zero_unti
     """objective.beta: at the starting weights the frozen copy is the policy, so the loss and its gradient are
     beta=0's; once the policy has moved, each completion's loss adds beta x its tokens' mean k3 divergence
     exp(r) - r - 1 (r = reference - policy log-probability), times the importance ratio (1 in value; its gradient
-    the unbiased one), which train/kl reports per completion."""
+    the unbiased one), which train/kl reports per token trained on (TRL's)."""
     import copy
 
     from src.objectives.preference import next_token_logps
@@ -759,7 +763,7 @@ def test_beta_adds_each_tokens_kl_divergence_from_the_starting_weights_zero_unti
     unrolled = {k: v for k, v in rollout.items() if k != "reference_logps"}
     torch.testing.assert_close(grads, torch.autograd.grad(plain.model_loss_sum(model, unrolled, None).sum(),
                                                           [model.tok_emb.weight])[0])
-    assert objective.training_metrics()["kl"] == 0
+    assert objective.training_metrics()["kl"][0] == 0
 
     with torch.no_grad():
         for parameter in model.parameters():
@@ -768,7 +772,7 @@ def test_beta_adds_each_tokens_kl_divergence_from_the_starting_weights_zero_unti
     counted = rollout["labels"][:, 1:] != -100
     policy = next_token_logps(model(rollout["input_ids"]), rollout)
     r = next_token_logps(starting(rollout["input_ids"]), rollout) - policy
-    kl = ((torch.exp(r) - r - 1) * counted).sum(-1) / counted.sum(-1)
+    kl = ((torch.exp(r) - r - 1) * counted).sum(-1)
     loss = objective.model_loss_sum(model, rollout, None).sum()
     ratio = torch.exp(policy - policy.detach())  # use_bias_correction_kl: the KL term's gradient through it too
     corrected = ((torch.exp(r) - r - 1) * ratio * counted).sum(-1) / counted.sum(-1)
@@ -777,7 +781,7 @@ def test_beta_adds_each_tokens_kl_divergence_from_the_starting_weights_zero_unti
     torch.testing.assert_close(torch.autograd.grad(loss, [model.tok_emb.weight])[0],
                                torch.autograd.grad(expected, [model.tok_emb.weight])[0])
     assert kl.min() > 0
-    torch.testing.assert_close(objective.training_metrics()["kl"], kl.sum().detach())
+    torch.testing.assert_close(objective.training_metrics()["kl"], torch.stack([kl.sum(), counted.sum()]).detach())
 
 
 def test_beta_trains_against_the_starting_weights_logging_train_kl(tmp_path):

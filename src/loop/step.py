@@ -102,8 +102,11 @@ class TrainStep:
         """What a logging step reports of the step (every rank calls it: the loss is reduced over ranks)."""
         loss = (self.accelerator.reduce(result.loss_sum, "sum") / result.targets.clamp(min=1)).sum()
         samples = result.targets.reshape(-1)[0].clamp(min=1)  # an objective's first count: its samples (pairs)
-        scalars = {f"train/{name}": (self.accelerator.reduce(value, "sum") / samples).item()
-                   for name, value in result.metrics.items()}
+        scalars = {}
+        for name, value in result.metrics.items():  # a sum over the samples, or (a sum, its own count)
+            total = self.accelerator.reduce(value, "sum")
+            mean = total / samples if total.dim() == 0 else total[0] / total[1].clamp(min=1)
+            scalars[f"train/{name}"] = mean.item()
         self.reported = dict(scalars)
         scalars |= {"train/loss": loss.item(), "train/lr": self.scheduler.get_last_lr()[0],
                    "train/grad_norm": result.grad_norm.item(), "train/skipped_steps": self.guard.skipped}

@@ -104,5 +104,6 @@ class Objective:
 
     def training_metrics(self) -> dict[str, torch.Tensor]:
         """name -> this rank's sum over the samples trained on since the last call, for metrics besides the loss
-        that training reports (averaged over the samples of those steps' global batches)."""
+        that training reports (averaged over the samples of those steps' global batches); or (sum, count), a
+        metric averaged over a count of its own (objective=grpo's over tokens)."""
         return {}

@@ -59,10 +59,11 @@ the rows' other columns, lists aligned with the completions. src/objectives/rewa
 
 Training reports TRL's numbers: train/reward, train/reward_std (the groups' mean standard deviation: zero means
 nothing to learn from), train/completion_length, train/clipped_ratio (completions cut at max_completion_tokens),
-train/entropy (the completions' mean entropy per token of the policy they were drawn from: a collapse towards 0
-means little left to explore),
-with beta train/kl (the completions' mean token divergence), with several rewards train/rewards/NAME (each one's
-mean, unweighted).
+train/entropy (the mean entropy per token written of the policy's distribution it was drawn from: a collapse
+towards 0 means little left to explore),
+with beta train/kl (the mean divergence per token trained on, as TRL's), with num_iterations > 1
+train/clip_ratio/low and /high (the share of the tokens trained on whose ratio the clip held back), with several
+rewards train/rewards/NAME (each one's mean, unweighted).
 Evaluation writes eval_generations completions per validation prompt from a stream seeded without the step, and
 reports eval/reward (the default trainer.monitor, higher better), eval/completion_length, eval/clipped_ratio,
 eval/entropy.
@@ -241,7 +242,11 @@ class GRPO(Objective):
         self.trained_metrics = (METRICS + (("kl",) if beta else ()) + clip_ratios
                                 + tuple(f"rewards/{n}" for n in self.per_reward))
         self.step = 0  # the optimizer step being taken (before_step)
-        self._sums: Optional[torch.Tensor] = None  # METRICS summed over the completions trained on since last read
+        # The metrics averaged over tokens (TRL's): each over the count it names, summed with them.
+        self.per_token = {"entropy": "completion_length", **{name: "trained tokens" for name in
+                                                             ("kl", *clip_ratios)}}
+        self._slots = self.trained_metrics + ("trained tokens",)
+        self._sums: Optional[torch.Tensor] = None  # the slots summed over the completions trained on since last read
         self._cropped_logged = False
 
     # The loop's hooks ----------------------------------------------------------------------------------------------
@@ -255,7 +260,7 @@ class GRPO(Objective):
         if self.max_completion_tokens >= self.block_size:
             raise UsageError(f"objective.max_completion_tokens={self.max_completion_tokens} leaves no room for a "
                              f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
-        self._sums = torch.zeros(len(self.trained_metrics), device=accelerator.device)
+        self._sums = torch.zeros(len(self._slots), device=accelerator.device)
         self.sharded = sharded(accelerator)
         # Whether each pass of generation is a collective (FSDP's all-gathers), which every rank must make alike.
         self.passes_gather = self.sharded and not self.gather_for_generation
@@ -416,8 +421,7 @@ class GRPO(Objective):
     def _add(self, sums: dict[str, torch.Tensor]) -> None:
         """Adds to the sums of the training metrics named (out of place: the training pass may be compiled)."""
         zero = self._sums.new_zeros(())
-        self._sums = self._sums + torch.stack([sums[name].float() if name in sums else zero
-                                               for name in self.trained_metrics])
+        self._sums = self._sums + torch.stack([sums[name].float() if name in sums else zero for name in self._slots])
 
     def _global_std(self, rewards: torch.Tensor) -> Optional[torch.Tensor]:
         """scale_rewards=batch: the standard deviation of the global batch's rewards (all processes'), the same
@@ -469,14 +473,13 @@ class GRPO(Objective):
             log_ratio = inputs["reference_logps"] - token_logps
             kl = torch.exp(log_ratio) - log_ratio - 1
             per_token = per_token + self.beta * (kl * ratio if self.use_bias_correction_kl else kl)
-            sums["kl"] = ((kl * counted).sum(-1) / counted.sum(-1).clamp(min=1)).detach().sum()
-        if self.num_iterations > 1:  # each completion's fraction of tokens whose ratio the clip held back
+            sums["kl"] = (kl * counted).sum().detach()
+        if self.num_iterations > 1:  # the tokens whose ratio the clip held back
             for name, held in (("low", (ratio < 1 - self.epsilon_low) & (advantages < 0)),
                                ("high", (ratio > 1 + self.epsilon_high) & (advantages > 0))):
-                held = held.expand_as(counted) & counted
-                sums[f"clip_ratio/{name}"] = (held.sum(-1) / counted.sum(-1).clamp(min=1)).detach().sum()
-        if sums:
-            self._add(sums)
+                sums[f"clip_ratio/{name}"] = (held.expand_as(counted) & counted).sum()
+        if sums:  # over the tokens trained on, as TRL averages them
+            self._add({**sums, "trained tokens": counted.sum()})
         per_completion = (per_token * counted).sum(-1)
         none = torch.zeros((), device=per_completion.device)
         if self.loss_type == "dapo":  # over the global batch's tokens, count()'s second term
@@ -493,9 +496,11 @@ class GRPO(Objective):
     def model_metrics(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict[str, PerSample]:
         per_prompt = len(targets)
         weight = torch.full((per_prompt,), float(self.eval_generations), device=targets.device)
-        return {name: (inputs[key].view(per_prompt, -1).sum(-1), weight)
-                for name, key in (("reward", "rewards"), ("completion_length", "lengths"),
-                                  ("clipped_ratio", "clipped"), ("entropy", "entropy"))}
+        per_completion = {name: (inputs[key].view(per_prompt, -1).sum(-1), weight)
+                          for name, key in (("reward", "rewards"), ("completion_length", "lengths"),
+                                            ("clipped_ratio", "clipped"))}
+        tokens = inputs["lengths"].view(per_prompt, -1).sum(-1)  # entropy: a mean over the tokens written
+        return {**per_completion, "entropy": (inputs["entropy"].view(per_prompt, -1).sum(-1), tokens)}
 
     def _show(self, rollout: dict, indices: list[int]) -> None:
         """The first completion of each of the batch's prompts, until log_completions are kept."""
@@ -519,7 +524,9 @@ class GRPO(Objective):
         if self._sums is None:
             return {}
         sums, self._sums = self._sums, torch.zeros_like(self._sums)
-        return dict(zip(self.trained_metrics, sums))
+        values = dict(zip(self._slots, sums))
+        return {name: torch.stack([values[name], values[self.per_token[name]]]) if name in self.per_token
+                else values[name] for name in self.trained_metrics}
 
     # Completions ---------------------------------------------------------------------------------------------------
 
@@ -550,7 +557,7 @@ class GRPO(Objective):
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=device)
         clipped = torch.tensor([float(not c or c[-1] != end) for c in completions], device=device)
         return {**batch, "rewards": rewards, "lengths": lengths, "clipped": clipped, "scores": scores,
-                "entropy": entropy / lengths.clamp(min=1)}
+                "entropy": entropy}
 
     def _cropped(self, prompt: torch.Tensor) -> torch.Tensor:
         """The prompt's last tokens that leave room for a whole completion in the model's context."""
