@@ -255,6 +255,61 @@ def test_a_completions_entropy_is_the_policys_per_token_entropy_at_the_temperatu
                                torch.stack([expected.sum(), counted.sum().float()]), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["gpt", "transformers"])
+def test_packed_rows_train_as_the_padded_ones_on_fewer_tokens(kind, pretrained):
+    """objective.packing: the same completions (prompts of several lengths, completions ending at several lengths)
+    packed into fewer rows than padding needs, each attending to itself only: their log-probabilities, the loss and
+    its gradient are the padded rows' (1e-5), with the KL term and num_iterations' kept log-probabilities too."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from src.data.tokenizer import codec_for
+
+    texts = ["write a:", "a much longer prompt, b:", "c:", "and d:"]
+    options = {"max_completion_tokens": 12, "num_generations": 4, "beta": 0.2, "num_iterations": 2}
+    rollouts, objectives = [], []
+    for packing in (False, True):
+        data = Data(texts, end_of_text=ord("\n"))
+        objective, model = objective_and_model(data, packing=packing, **options)
+        if kind == "transformers":
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_pretrained(pretrained, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                         attn_pdrop=0.0, attn_implementation="sdpa").train()
+            data.codec = codec_for(str(pretrained))
+            objective.start(Accelerator(cpu=True), model, data, None, None)
+        else:
+            model = WritesTheEndOften(model, ord("\n"))
+        rollouts.append(written(objective, model, prompt_batch(data, [0, 1, 2, 3])))
+        objectives.append(objective)
+    padded, packed = rollouts
+    lengths = padded["attention_mask"].sum(-1)
+    assert lengths.min() < lengths.max() and torch.equal(packed["input_ids"], padded["input_ids"])
+    assert packed["packed_input_ids"].numel() < 0.8 * padded["input_ids"].numel()
+    counted = padded["labels"][:, 1:] != -100
+    for key in ("old_logps", "reference_logps"):
+        torch.testing.assert_close(packed[key][counted], padded[key][counted], rtol=1e-5, atol=1e-5)
+    losses = [objective.model_loss_sum(model, rollout, None).sum() for objective, rollout in zip(objectives, rollouts)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    weights = [p for p in model.parameters() if p.requires_grad]
+    for got, want in zip(torch.autograd.grad(losses[1], weights), torch.autograd.grad(losses[0], weights)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_packing_is_refused_for_a_model_that_cannot_attend_per_row():
+    from accelerate import Accelerator
+
+    from src.objectives.grpo import GRPO
+
+    class NoPositions(torch.nn.Module):
+        def forward(self, input_ids):
+            return torch.zeros(*input_ids.shape, 256)
+
+    objective = GRPO(reward=LETTERS, packing=True, max_completion_tokens=8)
+    with pytest.raises(UsageError) as error:
+        objective.start(Accelerator(cpu=True), NoPositions(), Data(["a:"]), None, None)
+    named(str(error.value), "objective.packing=true", "position_ids", "objective.packing=false")
+
+
 def test_a_cycle_of_num_iterations_steps_trains_on_the_completions_its_first_step_wrote():
     """num_iterations=2: step 0 writes the prompts' completions and keeps the log-probabilities of the policy that
     wrote them; step 1, given the same prompts, trains on those again (the same completions, advantages and
@@ -478,6 +533,17 @@ def test_grpo_trains_the_same_on_two_processes_as_on_one_accumulating_and_resume
     run(grpo_args(prompts, killed, *common, "trainer.gradient_accumulation_steps=2", "resume=auto"))
     assert scalars(killed, "train/reward") == scalars(one, "train/reward")
     assert max_abs_diff(exported_weights(killed), exported_weights(one)) == 0
+
+
+def test_a_packed_run_trains_the_weights_and_logs_the_rewards_of_a_padded_one(tmp_path):
+    prompts = letter_prompts(tmp_path / "letters.jsonl", varied=True)
+    common = [*QUIET, "data.batch_size=4", "trainer.max_steps=4", "objective.num_iterations=2", "objective.beta=0.1"]
+    padded, packed = tmp_path / "padded", tmp_path / "packed"
+    run(grpo_args(prompts, padded, *common))
+    run(grpo_args(prompts, packed, *common, "objective.packing=true"))
+    assert scalars(packed, "train/reward") == scalars(padded, "train/reward")
+    assert scalars(packed, "train/kl") == pytest.approx(scalars(padded, "train/kl"), abs=1e-6)
+    assert max_abs_diff(exported_weights(packed), exported_weights(padded)) <= 1e-5
 
 
 @pytest.mark.parametrize("overrides, named_keys", [

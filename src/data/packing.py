@@ -114,11 +114,11 @@ def documents_of(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(-1)
 
 
-def attend_per_document(model: torch.nn.Module) -> None:
-    """data.packing=true: a model that reads documents from `position_ids`, or refused naming why. A transformers
-    model is also told to build no KV cache in a forward that has position_ids and no cache of its own:
-    transformers looks for packed documents only where there is no cache (masking_utils), and by default it makes
-    one (config.use_cache) even in training, which needs none. Generation passes its own cache: untouched."""
+def attend_per_document(model: torch.nn.Module, key: str = "data.packing") -> None:
+    """data.packing=true (or `key`): a model that reads documents from `position_ids`, or refused naming why. A
+    transformers model is also told to build no KV cache in a forward that has position_ids and no cache of its own:
+    transformers looks for packed documents only where there is no cache (masking_utils), and by default it makes one
+    (config.use_cache) even in training, which needs none. Generation passes its own cache: untouched."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's own
     name = type(base).__name__
     why = None
@@ -133,6 +133,9 @@ def attend_per_document(model: torch.nn.Module) -> None:
                    f"packed documents from position_ids (model.attn_implementation={attention})")
         else:
             base.register_forward_pre_hook(_no_cache_for_packed_documents, with_kwargs=True)
+    if why and key != "data.packing":
+        raise UsageError(f"{key}=true: {why}, so its packed rows would attend to each other. Use {key}=false (each "
+                         "row padded)")
     if why:
         raise UsageError(f"data.packing=true: {why}, so its tokens would attend across documents (or packed "
                          "answers). Use data.packing=false (one document or answer per row, padded), or for "

@@ -206,20 +206,29 @@ def pack_pairs(samples: list[dict[str, torch.Tensor]], block_size: int, pad_id: 
     -100)."""
     padded = collate_pairs(samples, pad_id)
     lengths = padded.pop("attention_mask").sum(-1).tolist()
+    packed = packed_rows(padded["input_ids"], lengths, block_size, pad_id)
+    return {**packed, "labels": padded["labels"], "pair_index": padded["pair_index"]}
+
+
+def packed_rows(ids: torch.Tensor, lengths: list[int], block_size: int, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded rows (R, T) of these lengths packed into as few rows of at most block_size tokens as
+    narrowest_packing finds: input_ids and position_ids (restarting at each row's first token, so that each
+    attends to itself only), and `packed_at`, each padded position's place in the flattened packed input (a pad
+    points at 0, never read: nothing is counted there). On the host."""
     rows, width = narrowest_packing(lengths, block_size)
     packed = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
               "position_ids": torch.arange(width).repeat(len(rows), 1)}
-    packed_at = torch.zeros_like(padded["input_ids"])
+    packed_at = torch.zeros_like(ids)
     for row, answers in enumerate(rows):
         start = 0
         for answer in answers:
             n = lengths[answer]
-            packed["input_ids"][row, start : start + n] = padded["input_ids"][answer, :n]
+            packed["input_ids"][row, start : start + n] = ids[answer, :n]
             packed["position_ids"][row, start : start + n] = torch.arange(n)
             packed_at[answer, :n] = torch.arange(row * width + start, row * width + start + n)
             start += n
         packed["position_ids"][row, start:] = torch.arange(width - start)
-    return {**packed, "labels": padded["labels"], "packed_at": packed_at, "pair_index": padded["pair_index"]}
+    return {**packed, "packed_at": packed_at}
 
 
 def narrowest_packing(lengths: list[int], block_size: int) -> tuple[list[list[int]], int]:

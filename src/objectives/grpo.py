@@ -46,6 +46,8 @@ The micro-batch's prompts are written together, left-padded to the longest, each
 walkthrough's tokens/s of one prompt's group at a time, the same draws): a micro-batch holds the same prompts on
 every layout of the same data.batch_size, so the padding, and what rounding it brings, is the same there too.
 generation_batch=prompt writes one prompt's group at a time (unpadded; a model without position_ids does so).
+With packing, the training passes read each micro-batch's rows packed (src/data/preference.py's packed_rows, as
+data.packing=true packs pairs; each row attends to itself), read back into the padded layout.
 A completion ends at the tokenizer's end-of-text token, which it is trained to write, or after
 max_completion_tokens; under FSDP without gather_for_generation every rank writes max_completion_tokens (each pass
 is a collective), and what follows an end is dropped. Generation is a step's slow part: TRL and OpenRLHF hand it to
@@ -84,6 +86,8 @@ from src.checkpointing.checksums import verified
 from src.checkpointing.plain_state import load_tree
 from src.checkpointing.training_state import objective_state_file, sharded
 from src.data.base import IGNORE_INDEX
+from src.data.packing import attend_per_document
+from src.data.preference import packed_rows
 from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
 from src.loop.batches import call_model
@@ -200,6 +204,11 @@ class GRPO(Objective):
                      "micro_batch: the micro-batch's prompts written together (left-padded; the same on any "
                      "layout of the same data.batch_size); prompt: one prompt's group at a time, slower, its "
                      "completions never touched by its neighbours' padding (the kernels' rounding)")] = "micro_batch",
+                 packing: Annotated[bool, Arg(
+                     "the training passes read each micro-batch's rows (prompt and completion) packed into as few "
+                     "rows of the model's context as hold them, each attending to itself only (as data.packing=true "
+                     "packs pairs), instead of each padded to the longest: less computed where completions' lengths "
+                     "vary; the same loss. Needs a model that reads documents from position_ids")] = False,
                  gather_for_generation: Annotated[bool, Arg(
                      "under FSDP, gather each block's weights once for a micro-batch's whole generation and keep "
                      "them until it ends, instead of all-gathering them again for every token written (the whole "
@@ -237,6 +246,7 @@ class GRPO(Objective):
         self.checkpoint, self._steps_taken = None, 0  # where a resume within a cycle finds its completions
         self.chunk_tokens = chunk_tokens
         self.generation_batch, self.gather_for_generation = generation_batch, gather_for_generation
+        self.packing = packing
         self.log_completions, self._shown = log_completions, []  # evaluation's completions shown (Markdown each)
         clip_ratios = ("clip_ratio/low", "clip_ratio/high") if num_iterations > 1 else ()
         self.trained_metrics = (METRICS + (("kl",) if beta else ()) + clip_ratios
@@ -269,6 +279,8 @@ class GRPO(Objective):
             if accelerator.is_main_process:
                 log.info("objective.generation_batch=micro_batch: the model's forward takes no position_ids, which "
                          "prompts of several lengths written together need: one prompt's group at a time")
+        if self.packing:  # refused, naming why, for a model whose packed rows would attend across each other
+            attend_per_document(accelerator.unwrap_model(model), "objective.packing")
         if self.reward_model_path is not None:
             self.reward_model = self._load_reward_model(Path(self.reward_model_path), accelerator.device)
         if self.beta:
@@ -362,6 +374,11 @@ class GRPO(Objective):
             rollout["prompts"] = targets  # the prompts' numbers: a later step of the cycle checks it holds them
             if self.mask_truncated_completions:  # their tokens neither trained nor counted
                 rollout["labels"][rollout["clipped"].bool()] = IGNORE_INDEX
+            if self.packing:  # the rows the training passes read (the padded ones stay, for what reads them)
+                lengths = rollout["attention_mask"].sum(-1).tolist()
+                packed = packed_rows(rollout["input_ids"].cpu(), lengths, self.block_size)
+                rollout.update({key if key == "packed_at" else f"packed_{key}": value.to(rollout["input_ids"].device)
+                                for key, value in packed.items()})
             if self.num_iterations > 1:  # as the training pass computes them, without dropout or gradients
                 with evaluating(model):
                     rollout["old_logps"] = self.token_logps(model, rollout)
@@ -490,7 +507,11 @@ class GRPO(Objective):
     def token_logps(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
         """(rows, T-1): each row's log-probability of its token t+1 at position t, in fp32; with chunk_tokens
         from the output layer a chunk at a time (DPO's model_answer_logps, whose rows are any rows)."""
-        rows = {k: batch[k] for k in MODEL_INPUTS}
+        if "packed_at" in batch:  # objective.packing: read back in the padded rows' layout
+            rows = {"input_ids": batch["packed_input_ids"], "position_ids": batch["packed_position_ids"],
+                    "packed_at": batch["packed_at"]}
+        else:
+            rows = {k: batch[k] for k in MODEL_INPUTS}
         return model_answer_logps(model, rows, batch["labels"], IGNORE_INDEX, self.chunk_tokens)[2]
 
     def model_metrics(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict[str, PerSample]:
@@ -592,7 +613,12 @@ class GRPO(Objective):
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         transformers_cache = hasattr(model, "generation_config")
         ours = None if transformers_cache or not takes(model, "cache") else KVCache()  # src/models/gpt.py's
-        cache, context, new_positions = None, ids, positions
+        cache = None
+        if transformers_cache:  # a cache from the first pass: a packing hook (src/data/packing.py) leaves it alone
+            from transformers import DynamicCache
+
+            cache = DynamicCache()
+        context, new_positions = ids, positions
         writing = torch.ones(len(ids), dtype=torch.bool, device=device)  # the rows that have not ended
         entropy = torch.zeros(len(ids), device=device)
         for _ in range(self.max_completion_tokens):
