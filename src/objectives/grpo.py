@@ -310,8 +310,9 @@ class GRPO(Objective):
         return (self.token_logps(model, inputs),)
 
     def _load_reward_model(self, folder: Path, device: torch.device) -> torch.nn.Module:
-        """The reward model whole on each process, frozen: one that fits there (a small one, as in RLHF's recipes
-        of this size)."""
+        """The reward model, frozen: whole on each process, or under FSDP sharded over the processes as the policy
+        is (accelerate's wrapping; each rank reads it whole first, then keeps its shard), its weights gathered for
+        each of its forwards and sharded again after it."""
         from src.checkpointing.export import load_exported_model
 
         key = f"objective.reward_model={folder}"
@@ -324,7 +325,14 @@ class GRPO(Objective):
         if output_layer.out_features != 1:
             raise UsageError(f"{key}: not a reward model (its output layer gives {output_layer.out_features} values "
                              "per position, a reward model's one): give the export of an objective=reward run")
-        return model.requires_grad_(False).eval()
+        model.requires_grad_(False).eval()
+        if not self.sharded:
+            return model
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        if self.accelerator.is_main_process:
+            log.info("%s: sharded over the processes, as the policy is", key)
+        return fsdp2_prepare_model(self.accelerator, model)
 
     def before_step(self, step: int) -> None:
         self.step = step
@@ -686,6 +694,12 @@ class GRPO(Objective):
         (where objective=reward reads an answer's reward), in fp32."""
         with torch.no_grad(), self.accelerator.autocast():
             values = call_model(self.reward_model, {k: batch[k] for k in MODEL_INPUTS})
+        if self.sharded:  # FSDP2 keeps a root's weights gathered after a forward, for a backward none takes here
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.reward_model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
         last = batch["attention_mask"].sum(-1) - 1
         return values[..., 0].float().gather(1, last[:, None])[:, 0]
 
