@@ -402,9 +402,10 @@ class GRPO(Objective):
                 if self._steps_taken == 0 and self.checkpoint is not None:
                     raise UsageError(self._resumed_within(first, "the checkpoint holds none of them for this "
                                                                  "process"))
-                log.info("objective.num_iterations=%d: step %d writes the completions of the steps up to %d (the "
-                         "cycle's first steps were dropped by trainer.skip_steps)", self.num_iterations,
-                         self.step + 1, first + self.num_iterations)
+                if self.accelerator.is_main_process:
+                    log.info("objective.num_iterations=%d: step %d writes the completions of the steps up to %d "
+                             "(the cycle's first steps were dropped by trainer.skip_steps)", self.num_iterations,
+                             self.step + 1, first + self.num_iterations)
                 rollouts = self._written(model, window)
                 self._cycle = (first, rollouts)
                 return rollouts
