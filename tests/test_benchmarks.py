@@ -110,7 +110,8 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
       "--log-every", "2"],
      lambda r: r["packed over padded, step time"] * (r["ours lora, padded"]["model_tokens_per_step"]
                                                     > r["ours lora, packed"]["model_tokens_per_step"])),
-    (["optimizers", "trainer.log_every=1", "--steps", "3", "--seeds", "1", "--variants", "optimizer=adamw", "optimizer=muon"],
+    (["optimizers", "trainer.log_every=1", "--steps", "3", "--seeds", "1", "--variants", "optimizer=adamw",
+      "optimizer=muon"],
      lambda r: r["optimizer=muon: mean"]["full_val_loss"] * r["optimizer=adamw: mean"]["ms_per_step"]),
     (["schedules", "trainer.log_every=1", "--lengths", "4", "6", "--seeds", "1"],
      lambda r: r["wsd: mean"]["full_val_loss"]["4"] * r["cosine: mean"]["full_val_loss"]["6"]
