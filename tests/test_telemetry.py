@@ -143,3 +143,53 @@ def test_gpu_scalars_are_the_gpus_this_job_sees_numbered_as_cuda_numbers_them(mo
     }
     assert GpuMonitor(torch.device("cuda", 1), is_main_process=False).scalars() == {}
     assert GpuMonitor(torch.device("cpu")).scalars() == {}
+
+
+def _events_file(directory, purge_step: int, steps: range, name: str):
+    """A launch's TensorBoard file as the template's writer opens it (purge_step, then train/loss per step),
+    renamed to `name` (the second it was opened and the pid are what its name sorts by)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    opened = directory / "opened"
+    writer = SummaryWriter(str(opened), purge_step=purge_step)
+    for step in steps:
+        writer.add_scalar("train/loss", float(purge_step * 1000 + step), step)
+    writer.close()
+    (file,) = opened.iterdir()
+    file.rename(directory / name)
+    opened.rmdir()
+
+
+@pytest.mark.parametrize("resumed_second, whole", [(1795963996, False), (1795963997, True)],
+                         ids=["same_second", "a_second_later"])
+def test_tensorboard_reads_a_resumed_launchs_file_after_the_killed_ones_only_if_opened_a_second_later(
+        tmp_path, resumed_second, whole):
+    """Why a launch opens its event file in a later second than the files there (run_log's
+    open_after_the_last_event_file): a run killed at step 10 and resumed from step 4 within the same second,
+    its pids 9876 then 10234, sorts the resumed file first (pid as text), so the killed launch's purge from step 1
+    drops what the resumed one logged. A second later, the curve is the resumed run's from step 5 on."""
+    from tests.conftest import scalars
+
+    log_dir = tmp_path / "run" / "tensorboard"
+    log_dir.mkdir(parents=True)
+    _events_file(log_dir, 1, range(1, 11), "events.out.tfevents.1795963996.host.9876.0")  # killed at step 10
+    _events_file(log_dir, 5, range(5, 13), f"events.out.tfevents.{resumed_second}.host.10234.0")  # resumed at 4
+    expected = {step: float((1 if step < 5 else 5) * 1000 + step) for step in range(1, 13)}
+    assert (scalars(tmp_path / "run", "train/loss") == expected) == whole
+
+
+def test_a_launch_opens_its_event_file_in_a_later_second_than_the_files_there(tmp_path):
+    import time
+
+    from src.reporting.run_log import open_after_the_last_event_file
+
+    start = time.time()
+    open_after_the_last_event_file(tmp_path)  # none there: no wait
+    (tmp_path / f"events.out.tfevents.{int(start) - 5}.host.1.0").touch()
+    open_after_the_last_event_file(tmp_path)  # opened seconds ago: no wait
+    assert time.time() - start < 0.5
+    now = int(time.time())
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested" / f"events.out.tfevents.{now}.host.a.b.99.0").touch()  # this second, a dotted host
+    open_after_the_last_event_file(tmp_path)
+    assert int(time.time()) > now
