@@ -21,7 +21,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpointing.checkpointer import agreed_resume_point, resume_point
-from src.checkpointing.load import check_length_in_epochs, load_initial_weights
+from src.checkpointing.load import check_a_new_global_batch_fits, load_initial_weights
 from src.checkpointing.resume import check_same_data, schedule_for_resume
 from src.checkpointing.training_state import leaves_out_frozen
 from src.data.base import DataModule
@@ -118,7 +118,7 @@ def build_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Run:
     # Each global batch as many steps in a row as the objective trains on it (GRPO's num_iterations).
     repeats = OmegaConf.select(cfg, "objective.num_iterations", default=1)
     if checkpoint and cfg.trainer.resume_with_new_global_batch:
-        check_length_in_epochs(checkpoint, layout, cfg.trainer.max_epochs, repeats)
+        check_a_new_global_batch_fits(checkpoint, layout, cfg.trainer.max_epochs, repeats)
     epoch_steps, max_steps = fit_run_to_data(data, cfg.trainer, layout, repeats)  # whole batches; epochs -> steps
     cfg = resolve_data_sizes(with_values(cfg, {"trainer.max_steps": max_steps}), data.sizes())
     if checkpoint:  # a new length or schedule: taken where the steps already taken keep their learning rates

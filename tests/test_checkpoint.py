@@ -167,17 +167,17 @@ def test_a_stream_cannot_take_a_new_global_batch_on_resume(tmp_path):
 
 
 def test_a_new_global_batch_needs_the_runs_length_in_steps_not_epochs(tmp_path):
-    from src.checkpointing.load import check_length_in_epochs
+    from src.checkpointing.load import check_a_new_global_batch_fits
     from src.loop.train_state import TrainState
 
     (tmp_path / STATE_FILE).write_text(json.dumps({"step": 80, "batch_size": 4, "num_processes": 1,
                                                    "gradient_accumulation_steps": 1}))
     new, same = (TrainState(batch_size=b, num_processes=1, gradient_accumulation_steps=1) for b in (6, 4))
     with pytest.raises(UsageError) as error:
-        check_length_in_epochs(tmp_path, new, max_epochs=2)
+        check_a_new_global_batch_fits(tmp_path, new, max_epochs=2)
     named(str(error.value), "trainer.max_epochs=2", "step 80", "trainer.max_steps=N")
-    check_length_in_epochs(tmp_path, new, max_epochs=None)  # a length in steps
-    check_length_in_epochs(tmp_path, same, max_epochs=2)  # the same global batch
+    check_a_new_global_batch_fits(tmp_path, new, max_epochs=None)  # a length in steps
+    check_a_new_global_batch_fits(tmp_path, same, max_epochs=2)  # the same global batch
 
 
 @pytest.mark.slow  # 9 s of image training and loader workers (the suite's time: issue 48); CI runs it

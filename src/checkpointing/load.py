@@ -86,11 +86,12 @@ POSITION_KEYS = ("step", "epoch", "samples_into_epoch", "best_metric", "best_ste
                  "evals_without_improvement")
 
 
-def check_length_in_epochs(checkpoint: Path, state: TrainState, max_epochs: Optional[int], repeats: int = 1) -> None:
-    """trainer.max_epochs counts the run in steps of its global batch: with a new one (resume_with_new_global_batch)
-    the steps already taken would be counted again in other units, so the length must be given in steps. An epoch
-    whose global batches each come `repeats` times (objective.num_iterations) is grouped by the batch's size: a new
-    one cannot take it on mid-way."""
+def check_a_new_global_batch_fits(checkpoint: Path, state: TrainState, max_epochs: Optional[int],
+                                  repeats: int = 1) -> None:
+    """trainer.resume_with_new_global_batch: refused where a new global batch cannot go on. trainer.max_epochs
+    counts the run in steps of its global batch: with a new one the steps already taken would be counted again in
+    other units, so the length must be given in steps. An epoch whose global batches each come `repeats` times
+    (objective.num_iterations) is grouped by the batch's size: a new one cannot take it on mid-way."""
     saved = json.loads((checkpoint / STATE_FILE).read_text())
     written = TrainState(**{key: saved[key] for key in ("batch_size", "num_processes", "gradient_accumulation_steps")})
     if repeats > 1 and written.global_batch != state.global_batch:
