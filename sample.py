@@ -34,6 +34,17 @@ def block_size_of(model: torch.nn.Module, folder: Path) -> int:
     return positions_of(getattr(model, "config", None)) or 1024
 
 
+def check_it_writes(model: torch.nn.Module, folder: str) -> None:
+    """A reward model (objective=reward's export) gives one value per position, not a distribution over the next
+    token: sampling from it would write token 0 again and again."""
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    layer = output if output is not None else getattr(model, "lm_head", None)
+    if getattr(layer, "out_features", None) == 1:
+        raise UsageError(f"{folder}: a reward model (one value per position, objective=reward's export) scores text, "
+                         f"it does not write it: score with python eval.py path={folder}, or sample from a language "
+                         "model's export")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", help="an exported model folder (e.g. outputs/RUN/model) or a hub model id")
@@ -60,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         folder = local_path(args.folder, "folder", refresh=True)  # a hub id: its snapshot in the HF cache
         codec = Codec.load(folder)
         model = load_exported_model(folder, args.device, args.trust_target, accept="--trust-target {value}")
+        check_it_writes(model, args.folder)
         texts = sample_texts(model, codec, [args.prompt] * args.num_samples, args.tokens, args.temperature,
                              args.top_k or None, args.seed, block_size_of(model, folder))
     except (UsageError, FileNotFoundError) as error:

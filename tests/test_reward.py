@@ -59,14 +59,19 @@ def test_the_reward_is_the_value_at_each_answers_last_token_and_the_loss_bradley
     assert rewards.std() > 0
 
 
-def test_a_gpt_reward_model_learns_the_shipped_preferences(tmp_path):
+def test_a_gpt_reward_model_learns_the_shipped_preferences(tmp_path, capsys):
     """The rejected answers are the chosen ones with their words shuffled: after 150 steps the reward model ranks
-    the held-out pairs almost always right."""
+    the held-out pairs almost always right. sample.py refuses to write with it (it would repeat token 0), naming
+    eval.py, which scores with it."""
+    import sample
+
     run_dir = tmp_path / "reward"
     run([*GPT, *PAIRS, "optimizer.lr=1e-3", "trainer.max_steps=150", "trainer.eval_every=0", "trainer.log_every=50",
          "trainer.monitor=eval/rewards/accuracies", "trainer.monitor_mode=max", f"hydra.run.dir={run_dir}"])
     assert scalars(run_dir, "eval/rewards/accuracies")[150] >= 0.9
     assert scalars(run_dir, "eval/rewards/margins")[150] > 1
+    assert sample.main([str(run_dir / "model"), "--tokens", "4"]) == 2
+    named(capsys.readouterr().err, "a reward model", f"python eval.py path={run_dir / 'model'}")
 
 
 def test_a_reward_model_trains_the_same_on_two_processes_as_on_one_accumulating(tmp_path):
