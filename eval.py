@@ -55,11 +55,12 @@ def main(cfg: DictConfig) -> None:
     model = accelerator.prepare_model(model, evaluation_mode=True)
     val_loader = accelerator.prepare_data_loader(data.val_dataloader(cfg.eval_batches))
 
-    if getattr(objective, "reference_kind", None):  # objective=dpo: the run's reference model
+    prompts = getattr(objective, "trains_on_prompts", False)  # objective=grpo, whose evaluation reads no reference
+    if getattr(objective, "reference_kind", None) and not prompts:  # objective=dpo: the run's reference model
         objective.reference = reference_for_evaluation(accelerator, run_cfg, source, objective)
     if getattr(objective, "teacher_path", None):  # objective=distill: the teacher the run distilled from
         objective.load_teacher(accelerator, data, accelerator.unwrap_model(model))
-    if getattr(objective, "trains_on_prompts", False):  # objective=grpo: the prompts' rows, the reward model
+    if prompts:  # objective=grpo: the prompts' rows, the reward model
         objective.start(accelerator, model, data, None, None)
     forward = Forward(objective, compile=False)
     metrics = {f"eval/{k}": v for k, v in evaluate(model, val_loader, accelerator, forward).items()}

@@ -758,8 +758,9 @@ def test_a_reward_model_scores_each_completion_at_its_last_token_as_objective_re
 
 def test_grpo_raises_the_score_of_a_reward_model_trained_by_objective_reward(tmp_path):
     """A reward model trained on pairs whose chosen answers hold more a's, then GRPO from scratch against it alone:
-    its score of the completions rises from below zero to that of the chosen answers. A language model's export,
-    or a reward model of other token ids, is refused as a reward model."""
+    its score of the completions rises from below zero to that of the chosen answers, and eval.py scores the
+    export as the run's last evaluation did (with no reference model: GRPO's evaluation reads none). A language
+    model's export, or a reward model of other token ids, is refused as a reward model."""
     pairs, prompts = tmp_path / "pairs.jsonl", tmp_path / "write.jsonl"
     rng = __import__("random").Random(0)
     pairs.write_text("".join(json.dumps({
@@ -775,6 +776,8 @@ def test_grpo_raises_the_score_of_a_reward_model_trained_by_objective_reward(tmp
                   "trainer.eval_on_start=true", "trainer.log_every=25"))
     reward = scalars(policy, "eval/reward")
     assert reward[0] < 0 < 1 < reward[100], reward
+    run([f"path={policy / 'model'}", f"output={tmp_path / 'eval.json'}"], script="eval.py")
+    assert json.loads((tmp_path / "eval.json").read_text())["eval/reward"] == pytest.approx(reward[100], abs=1e-5)
 
     lm = run(grpo_args(prompts, tmp_path / "lm", "objective.reward=null",
                        f"objective.reward_model={policy / 'model'}", *QUIET), check=False)
