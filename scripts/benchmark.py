@@ -16,7 +16,7 @@ scripts/BENCHMARKS.md.
     python scripts/benchmark.py optimizers                                # muon vs adamw: loss at equal steps
     python scripts/benchmark.py schedules                                 # one WSD run's decays vs cosine runs
     python scripts/benchmark.py distill                                   # a student distilled vs the data alone
-    python scripts/benchmark.py teacher-memory                            # FSDP2: a teacher in slices vs whole
+    python scripts/benchmark.py teacher-memory                            # FSDP2: a teacher, a reward model in slices
     python scripts/benchmark.py grpo                                      # GRPO: prompts together vs TRL
     python scripts/benchmark.py parity --device cuda --mixed-precision bf16 --peak-tflops 989 \
         model.n_layer=12 model.n_head=12 model.n_embd=768 model.block_size=1024 data.batch_size=16

@@ -590,7 +590,7 @@ def test_a_transformers_model_trains_the_same_under_fsdp_as_on_one_process_and_w
     adapter too, and objective.beta against its base, the adapter off. (GPT-2's key biases aside:
     tests/test_preference.py's without_key_biases says why.) The LoRA runs train each batch of completions twice
     (num_iterations=2: the writing policy's log-probabilities through the sharded model). Without an adapter a
-    reference copy is refused under FSDP. A reward model is sharded as the policy is, its rewards a whole copy's."""
+    reference copy is refused under FSDP."""
     from tests.conftest import FSDP_ON_CPU
     from tests.test_preference import LORA, without_key_biases
 
@@ -615,16 +615,27 @@ def test_a_transformers_model_trains_the_same_under_fsdp_as_on_one_process_and_w
     assert proc.returncode != 0 and "step 1/" not in proc.stdout
     named(proc.stdout, "objective.reference=copy", "FSDP", "model.peft")
 
-    # A reward model (an export of objective=reward) sharded as the policy is: the rewards of one whole copy.
-    rm = tmp_path / "rm"
+
+@pytest.mark.parametrize("kind", ["transformers", "gpt"])
+def test_under_fsdp_each_rank_reads_its_slices_of_a_reward_model_which_scores_as_a_whole_copy(tmp_path, kind,
+                                                                                             pretrained):
+    """A reward model (the export of an objective=reward run: transformers' sequence classifier, its output layer
+    under another name, or the template's GPT) sharded as the policy is: no rank reads it whole (each builds it
+    without values and reads its own part of the files), and the rewards are one whole copy's."""
+    from tests.conftest import FSDP_ON_CPU
+
+    model = ("model=hf_causal_lm", f"model.pretrained={pretrained}") if kind == "transformers" else tuple(GPT)
+    prompts, rm = letter_prompts(tmp_path / "letters.jsonl"), tmp_path / "rm"
     run([*model, "model.head=reward", "data=jsonl", "data.path=data/shakespeare_pairs.jsonl", "data.preference=true",
          "objective=reward", "trainer.max_steps=2", "data.batch_size=4", "trainer.monitor=null", *QUIET,
          f"hydra.run.dir={rm}"])
-    against = [*common, "objective.reward=null", f"objective.reward_model={rm / 'model'}"]
-    one, sharded = tmp_path / "rm_one", tmp_path / "rm_fsdp"
+    against = [*QUIET, "data.batch_size=2", "trainer.max_steps=3", "objective.max_completion_tokens=6",
+               "objective.temperature=5", "objective.reward=null", f"objective.reward_model={rm / 'model'}"]
+    one, sharded = tmp_path / "one", tmp_path / "fsdp"
     run(grpo_args(prompts, one, *against, "trainer.gradient_accumulation_steps=2", model=model))
     proc = run(grpo_args(prompts, sharded, *against, model=model), nproc=2, **FSDP_ON_CPU)
-    named(proc.stdout, f"objective.reward_model={rm / 'model'}: sharded over the processes")
+    named(proc.stdout, f"objective.reward_model={rm / 'model'}: sharded over the processes, as the policy is, "
+          "each rank read its own slices")
     assert scalars(sharded, "train/reward") == pytest.approx(scalars(one, "train/reward"), abs=1e-5)
     assert len(set(scalars(one, "train/reward").values())) > 1
 

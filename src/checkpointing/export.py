@@ -182,7 +182,7 @@ def load_exported_model(directory: str | Path, device: str | torch.device = "cpu
     """The model of an export folder. Its config.yaml is data: a `_target_` that config/ does not offer is refused
     unless `trusted` names it (`accept`: how the caller's user names it, for the message)."""
     directory = Path(directory)
-    if any(name.endswith("ForSequenceClassification") for name in _architectures(directory)):
+    if is_exported_reward_model(directory):
         return load_reward_model(directory).to(device).eval()  # model.head=reward's export, in its training form
     if (directory / "config.json").is_file():  # a transformers model: its config.yaml may name a pretrained
         from transformers import AutoModelForCausalLM  # folder that is gone, config.json has the architecture
@@ -200,6 +200,8 @@ def load_exported_model(directory: str | Path, device: str | torch.device = "cpu
     return model.to(device).eval()
 
 
-def _architectures(directory: Path) -> list[str]:
+def is_exported_reward_model(directory: Path) -> bool:
+    """model.head=reward's export: a transformers sequence classifier (src/checkpointing/reward_export.py)."""
     config = directory / "config.json"
-    return json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    architectures = json.loads(config.read_text()).get("architectures") or [] if config.is_file() else []
+    return any(name.endswith("ForSequenceClassification") for name in architectures)

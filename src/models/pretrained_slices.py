@@ -32,7 +32,7 @@ from accelerate import Accelerator, init_empty_weights
 from accelerate.utils import broadcast_object_list
 from omegaconf import DictConfig
 
-from src.launch.sharded_start import is_sharded_start
+from src.launch.sharded_start import give_uninitialised_storage, is_sharded_start
 from src.models.parameter_names import name_in_files
 
 log = logging.getLogger(__name__)
@@ -99,23 +99,85 @@ def _plan(model_cfg: DictConfig) -> tuple[Optional[PretrainedSlices], str]:
     return plan_for(architecture_of(folder, getattr(torch, model_cfg.get("dtype") or "float32")), folder)
 
 
-def plan_for(architecture: torch.nn.Module, folder: Path) -> tuple[Optional[PretrainedSlices], str]:
+def plan_for(architecture: torch.nn.Module, folder: Path, renamed: Optional[dict[str, str]] = None
+             ) -> tuple[Optional[PretrainedSlices], str]:
     """Every weight of a model built without values (its names, shapes and the dtypes a whole load reads them in)
     matched to the folder's safetensors files, under its own name or with the model's base_model_prefix added or
-    removed; (None, why) where a parameter is not there."""
+    removed (or under the name `renamed` gives it); (None, why) where a parameter is not there."""
     files = _weights_in(folder)
     if not files:
         return None, f"no safetensors weights in {folder}"
-    prefix = getattr(architecture, "base_model_prefix", "")
+    prefix, renamed = getattr(architecture, "base_model_prefix", ""), renamed or {}
     sources: dict[str, tuple[str, str, torch.dtype]] = {}
     for names, tensor, required in _weights_of(architecture):
-        found = next(((files[key][0], key) for name in names for key in _keys_for(name, prefix)
+        found = next(((files[key][0], key) for name in names
+                      for key in ([renamed[name]] if name in renamed else _keys_for(name, prefix))
                       if key in files and files[key][1] == list(tensor.shape)), None)
         if found is None and required:
             return None, f"its files hold no weight of shape {list(tensor.shape)} named {names[0]}"
         if found is not None:
             sources.update({name: (*found, tensor.dtype) for name in names})
     return PretrainedSlices(folder, sources), ""
+
+
+def export_without_values(folder: Path, trusted: set[str], accept: str
+                          ) -> tuple[Optional[torch.nn.Module], Optional[PretrainedSlices], str]:
+    """A frozen model that FSDP shards (a distillation teacher, GRPO's reward model) from an export or a
+    transformers folder: built with its parameters on the meta device, in the dtypes a whole load
+    (load_exported_model) reads them in, with where in the safetensors files each weight is, so that each rank
+    reads only its shard's part (shard_frozen). (None, None, why not) for a checkpoint (rebuilt from its run's
+    config), and for weights that are not under the model's names. `trusted` and `accept`: as load_exported_model's,
+    for an export's config.yaml."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from src.checkpointing.export import is_exported_reward_model
+    from src.schema.trusted import check_targets
+
+    renamed = {}
+    if is_exported_reward_model(folder):  # model.head=reward's export: read as load_reward_model reads it
+        from src.checkpointing.reward_export import SCORE
+        from src.models.hf_causal_lm import output_layer_name, with_reward_head
+
+        model = with_reward_head(architecture_of(folder, None))
+        renamed = {f"{output_layer_name(model)}.weight": SCORE}
+    elif (folder / "config.json").is_file():  # a transformers model: what load_exported_model reads, too
+        config = json.loads((folder / "config.json").read_text())
+        if not (config.get("dtype") or config.get("torch_dtype")):
+            return None, None, "its config.json names no dtype, which a whole load takes from its weights"
+        model = architecture_of(folder, None)
+    elif (folder / "config.yaml").is_file() and (folder / "model.safetensors").is_file():
+        config = OmegaConf.load(folder / "config.yaml")
+        check_targets(config, str(folder / "config.yaml"), trusted, accept)
+        with init_empty_weights(include_buffers=False):  # buffers keep the values the model computes
+            model = instantiate(config, _convert_="all")
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+    else:
+        return None, None, "a checkpoint, rebuilt from its run's config"
+    plan, why = plan_for(model, folder, renamed)
+    return (model, plan, "") if plan is not None else (None, None, why)
+
+
+def shard_frozen(accelerator: Accelerator, model: torch.nn.Module, slices: Optional[PretrainedSlices]
+                 ) -> torch.nn.Module:
+    """A frozen model sharded as the trained one is (accelerate's FSDP2 wrapping). With `slices` it was built
+    without values (export_without_values): each rank shards memory never written, then reads its own part of the
+    files, and rank 0 sends nothing (accelerate's broadcast of its state is off for this prepare)."""
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = accelerator.state.fsdp_plugin
+    broadcasts = plugin.cpu_ram_efficient_loading
+    if slices is not None:
+        give_uninitialised_storage(model)
+        plugin.cpu_ram_efficient_loading = False
+    try:
+        model = fsdp2_prepare_model(accelerator, model)
+    finally:
+        plugin.cpu_ram_efficient_loading = broadcasts
+    if slices is not None:
+        load_slices(accelerator, model, slices)
+    return model
 
 
 def load_slices(accelerator: Accelerator, model: torch.nn.Module, plan: PretrainedSlices) -> None:

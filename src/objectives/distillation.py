@@ -19,7 +19,6 @@ teacher gives its last hidden states, made into its logits chunk by chunk there:
 micro-batch are held.
 """
 
-import json
 import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Optional
@@ -32,6 +31,7 @@ from src.checkpointing.training_state import sharded
 from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
 from src.loop.batches import call_model
+from src.models.pretrained_slices import export_without_values, shard_frozen
 from src.objectives.base import PerSample
 from src.objectives.chunked import CHECKED_TOKENS, output_layer, output_layer_gives_hidden_states
 from src.objectives.classification import CausalLM, CrossEntropy
@@ -285,7 +285,7 @@ class Distillation(CrossEntropy):
         trusted = {f"{type(student).__module__}.{type(student).__qualname__}"}
         teacher, slices = None, None
         if sharded(accelerator):
-            teacher, slices, why = teacher_without_values(folder, trusted)
+            teacher, slices, why = export_without_values(folder, trusted, "a student of the same class, {key}={value}")
             if slices is None and accelerator.is_main_process:
                 log.info("objective=distill: each rank reads the teacher whole before it is sharded (%s)", why)
         if teacher is None:
@@ -303,23 +303,8 @@ class Distillation(CrossEntropy):
         if self.teacher_dtype is not None:
             teacher.to(self.teacher_dtype)
         if sharded(accelerator):  # FSDP: sharded as the student is (accelerate's wrapping), each rank its part
-            from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
-            from src.launch.sharded_start import give_uninitialised_storage
-            from src.models.pretrained_slices import load_slices
-
-            plugin = accelerator.state.fsdp_plugin
-            broadcasts = plugin.cpu_ram_efficient_loading
-            if slices is not None:  # nothing to send: each rank shards memory never written, then reads its part
-                give_uninitialised_storage(teacher)
-                plugin.cpu_ram_efficient_loading = False
-            try:
-                self.teacher, held = fsdp2_prepare_model(accelerator, teacher), "sharded over the processes"
-            finally:
-                plugin.cpu_ram_efficient_loading = broadcasts
-            if slices is not None:
-                load_slices(accelerator, self.teacher, slices)
-                held += ", each rank read its own slices"
+            self.teacher = shard_frozen(accelerator, teacher, slices)
+            held = "sharded over the processes" + (", each rank read its own slices" if slices is not None else "")
         else:
             self.teacher, held = teacher.to(accelerator.device), "one copy per process"
         self.accelerator = accelerator
@@ -346,36 +331,6 @@ def load_teacher_model(key: str, folder: Path, trusted: set[str]) -> torch.nn.Mo
         return load_checkpointed_model(folder, run_config_for(folder, trusted))
     except FileNotFoundError as error:
         raise UsageError(f"{key}: {error}") from None
-
-
-def teacher_without_values(folder: Path, trusted: set[str]) -> tuple[Optional[torch.nn.Module], Any, str]:
-    """FSDP: the teacher of an export or a transformers folder built with its parameters on the meta device, in the
-    dtypes a whole load reads them in, and where in its safetensors files each weight is (PretrainedSlices), so that
-    each rank reads only its shard's part once it is sharded. (None, None, why not) for a checkpoint (rebuilt from
-    its run's config; an FSDP run's is sharded otherwise), and for weights that are not under the model's names."""
-    from accelerate import init_empty_weights
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
-
-    from src.models.pretrained_slices import architecture_of, plan_for
-    from src.schema.trusted import check_targets
-
-    if (folder / "config.json").is_file():  # a transformers model: what load_exported_model reads, too
-        config = json.loads((folder / "config.json").read_text())
-        if not (config.get("dtype") or config.get("torch_dtype")):
-            return None, None, "its config.json names no dtype, which a whole load takes from its weights"
-        teacher = architecture_of(folder, None)
-    elif (folder / "config.yaml").is_file() and (folder / "model.safetensors").is_file():
-        config = OmegaConf.load(folder / "config.yaml")
-        check_targets(config, str(folder / "config.yaml"), trusted, "a student of the same class, {key}={value}")
-        with init_empty_weights(include_buffers=False):  # buffers keep the values the model computes
-            teacher = instantiate(config, _convert_="all")
-        if hasattr(teacher, "tie_weights"):
-            teacher.tie_weights()
-    else:
-        return None, None, "a checkpoint, rebuilt from its run's config"
-    plan, why = plan_for(teacher, folder)
-    return (teacher, plan, "") if plan is not None else (None, None, why)
 
 
 def _teacher_logits(rows: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor]

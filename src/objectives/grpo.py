@@ -92,6 +92,7 @@ from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
 from src.loop.batches import call_model
 from src.models.gpt import KVCache
+from src.models.pretrained_slices import export_without_values, shard_frozen
 from src.objectives.base import Objective, PerSample
 from src.objectives.preference import model_answer_logps
 from src.objectives.reference import AdapterOff, FrozenCopy, Reference, evaluating
@@ -311,8 +312,9 @@ class GRPO(Objective):
 
     def _load_reward_model(self, folder: Path, device: torch.device) -> torch.nn.Module:
         """The reward model, frozen: whole on each process, or under FSDP sharded over the processes as the policy
-        is (accelerate's wrapping; each rank reads it whole first, then keeps its shard), its weights gathered for
-        each of its forwards and sharded again after it."""
+        is (accelerate's wrapping), its weights gathered for each of its forwards and sharded again after it; there
+        an export is never held whole either: every rank builds it without values and reads its own slices of the
+        safetensors files (src/models/pretrained_slices.py)."""
         from src.checkpointing.export import load_exported_model
 
         key = f"objective.reward_model={folder}"
@@ -320,7 +322,10 @@ class GRPO(Objective):
             raise UsageError(f"{key}: no such folder; give the export of an objective=reward run (RUN/model)")
         check_same_ids(key, folder, self.codec, "the reward model reads", "Train the reward model on data tokenized "
                        "as this run's, or tokenize the prompts as it did (data.tokenizer=its folder)")
-        model = load_exported_model(folder, device)
+        accept = "load_exported_model(..., trusted=[{value!r}])"
+        model, slices, why = export_without_values(folder, set(), accept) if self.sharded else (None, None, "")
+        if model is None:  # under FSDP read whole into host memory: the prepare moves each rank's shard only
+            model = load_exported_model(folder, "cpu" if self.sharded else device)
         output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
         if output_layer.out_features != 1:
             raise UsageError(f"{key}: not a reward model (its output layer gives {output_layer.out_features} values "
@@ -328,11 +333,10 @@ class GRPO(Objective):
         model.requires_grad_(False).eval()
         if not self.sharded:
             return model
-        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
         if self.accelerator.is_main_process:
-            log.info("%s: sharded over the processes, as the policy is", key)
-        return fsdp2_prepare_model(self.accelerator, model)
+            log.info("%s: sharded over the processes, as the policy is, %s", key,
+                     "each rank read its own slices" if slices is not None else f"each rank read it whole ({why})")
+        return shard_frozen(self.accelerator, model, slices)
 
     def before_step(self, step: int) -> None:
         self.step = step
