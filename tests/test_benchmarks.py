@@ -90,6 +90,10 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
     (["scale", "--sizes", "1x64", "--layouts", "ddp", "fsdp2", "--block-size", "32"],
      lambda r: len(r["1x64"]["fsdp2"]["peak_rss_gib_per_rank"]) == 2 and r["1x64"]["fsdp2_over_ddp_peak"]
      and len(r["1x64"]["fsdp2"]["export_peak_rss_gib_per_rank"]) == 2 and r["1x64"]["fsdp2"]["export_s"] >= 0),
+    (["scale", "--objective", "grpo", "--sizes", "1x64", "--layouts", "fsdp2", "fsdp2_gather_off", "--block-size",
+      "64", "--completion-tokens", "8"],
+     lambda r: len(r["1x64"]["fsdp2_gather_off"]["peak_rss_gib_per_rank"]) == 2
+     and r["1x64"]["fsdp2_over_fsdp2_gather_off_peak"]),
     (["packing", "--repeats", "1", "--steps", "2", "--block-size", "32", "--model", "gpt"],
      lambda r: r["packed"]["targets_per_step"] > r["padded"]["targets_per_step"] > 0),
     (["data", "--repeats", "1", "--prepare-tokens", "200000", "--small", "300000", "--large", "3000000",
@@ -124,13 +128,14 @@ def test_the_gpu_benchmarks_template_side_runs_its_dry_run_on_cpu(template_data)
      lambda r: r["chunk_tokens=null"]["step_peak_gib"] * (r["loss_difference"] < 1e-2)),
     (["teacher-memory", "--teachers", "2x64"],
      lambda r: len(r["teacher 2x64"]["export, read in slices: MiB per rank over a tiny teacher's run"]) == 2
-     and r["teacher 2x64"]["teacher_mib"]),
+     and r["teacher 2x64"]["teacher_mib"] and r["reward model 2x64"]["reward_model_mib"]
+     and len(r["reward model 2x64"]["export, read in slices: MiB per rank over a tiny reward model's run"]) == 2),
     (["grpo", "--repeats", "1", "--steps", "6", "--layers", "1", "--width", "64", "--prompts", "2", "--generations",
       "2", "--completion", "8", "--log-every", "2"],
      lambda r: r["ours micro_batch over trl, step time"] * r["ours prompt over trl, step time"]
      * r["ours num_iterations=2 over trl num_iterations=2, step time"]),
-], ids=["startup", "checkpoint", "stop-vote", "scale", "packing", "data", "preference", "preference-packing",
-        "optimizers", "schedules", "distill", "loss-memory-distill", "teacher-memory", "grpo"])
+], ids=["startup", "checkpoint", "stop-vote", "scale", "scale-grpo", "packing", "data", "preference",
+        "preference-packing", "optimizers", "schedules", "distill", "loss-memory-distill", "teacher-memory", "grpo"])
 def test_the_cpu_benchmarks_run_through_at_a_small_size(tmp_path, command, measured):
     """One quick run of each, each checked for the figure BENCHMARKS.md quotes from it."""
     args = [*command, "--dir", str(tmp_path)] if command[0] in ("checkpoint", "scale") else command

@@ -13,6 +13,13 @@ FSDP plugin only on GPUs otherwise); on GPUs through train.py itself.
 
     python scripts/benchmark.py scale --sizes 10x640 16x1024 17x1536 --processes 2
     python scripts/benchmark.py scale --sizes 16x1024 --pretrained --layouts one fsdp2   # LoRA on a saved folder
+    python scripts/benchmark.py scale --objective grpo --layouts ddp fsdp2 fsdp2_gather_off  # GRPO's rollouts
+
+`--objective grpo` trains each size by GRPO on the bundled arithmetic prompts (the policy writes its completions,
+the default verifiable reward scores them) in place of next-token prediction, so that each rank's peak includes
+generation: under FSDP2 with objective.gather_for_generation (the default) every block is kept gathered for a
+rollout, so a rank holds the whole weights while it writes; the layout fsdp2_gather_off gathers each block for
+each token instead.
 """
 
 import json
@@ -25,7 +32,9 @@ from statistics import median
 
 from scripts.benchmarks.common import ROOT, free_port, run, scalars
 
-LAYOUTS = ("one", "ddp", "fsdp2", "fsdp2_whole_copy")
+LAYOUTS = ("one", "ddp", "fsdp2", "fsdp2_whole_copy", "fsdp2_gather_off")
+# A layout's own overrides: GRPO's generation gathering each block for each token (--objective grpo only).
+LAYOUT_OVERRIDES = {"fsdp2_gather_off": ["objective.gather_for_generation=false"]}
 LORA = "{peft_type: LORA, r: 8, lora_alpha: 16, target_modules: [q_proj, v_proj]}"
 
 
@@ -78,14 +87,17 @@ def one_size(args, layers: int, hidden: int, work: Path) -> dict:
     with torch.device("meta"):  # shapes only: the bundled text's 65 characters
         meta_model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config, vocab_size=65))
     parameters = sum(p.numel() for p in meta_model.parameters())
-    model = ["model=hf_causal_lm", f"model.block_size={args.block_size}", "objective=causal_lm", "~model.config",
+    objective = ["objective=causal_lm"] if args.objective == "causal_lm" else [
+        "data=prompts", "objective=grpo", f"objective.max_completion_tokens={args.completion_tokens}",
+        "objective.num_generations=2"]  # a group of two completions per prompt
+    model = ["model=hf_causal_lm", f"model.block_size={args.block_size}", *objective, "~model.config",
              "+model.config=" + json.dumps({**config, "vocab_size": "${dataset:vocab_size}"}).replace('"', "")]
     if args.pretrained:  # a saved folder of this size, each layout reads it; LoRA trains on it
         folder = work / f"pretrained_{layers}x{hidden}"
         if not folder.is_dir():
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(AutoConfig.for_model(**config, vocab_size=65)).save_pretrained(folder)
-        model = ["model=hf_causal_lm", f"model.block_size={args.block_size}", "objective=causal_lm",
+        model = ["model=hf_causal_lm", f"model.block_size={args.block_size}", *objective,
                  f"model.pretrained={folder}", f"model.peft={LORA}", "data.tokenizer=null"]
     common = [*model, f"data.batch_size={args.batch_size}", f"trainer.max_steps={args.steps}",
               f"trainer.checkpoint_every={args.steps - 1}", f"trainer.async_checkpoint={str(args.async_save).lower()}",
@@ -93,6 +105,8 @@ def one_size(args, layers: int, hidden: int, work: Path) -> dict:
               "trainer.hang_report_s=3600", f"optimizer={args.optimizer}"]
     rows = {"parameters": parameters}
     for layout in args.layouts:
+        if layout in LAYOUT_OVERRIDES and args.objective != "grpo":
+            raise SystemExit(f"--layouts {layout} is a GRPO layout: add --objective grpo")
         processes = 1 if layout == "one" else args.processes
         needed = state_per_rank(meta_model, layout, processes, args.pretrained) * processes
         if not torch.cuda.is_available() and needed > available_bytes():
@@ -100,10 +114,10 @@ def one_size(args, layers: int, hidden: int, work: Path) -> dict:
                                              f"ranks), {available_bytes() / 2**30:.1f} GiB available"}
             continue
         run_dir, resumed_dir = work / f"{layers}x{hidden}_{layout}", work / f"{layers}x{hidden}_{layout}_resumed"
-        command = launch(layout, processes)
-        run([*command, *common, f"hydra.run.dir={run_dir}"])
+        own = [*common, *LAYOUT_OVERRIDES.get(layout, [])]
+        run([*launch(layout, processes), *own, f"hydra.run.dir={run_dir}"])
         checkpoint = run_dir / "checkpoints" / f"step_{args.steps - 1:08d}"
-        run([*launch(layout, processes), *common, f"resume={checkpoint}", f"hydra.run.dir={resumed_dir}"])
+        run([*launch(layout, processes), *own, f"resume={checkpoint}", f"hydra.run.dir={resumed_dir}"])
         summary = json.loads((run_dir / "summary.json").read_text())
         resumed = json.loads((resumed_dir / "summary.json").read_text())
         step_times = [s.value for s in scalars(run_dir, "train/step_time")][1:]  # the first step compiles, warms
@@ -125,7 +139,7 @@ def one_size(args, layers: int, hidden: int, work: Path) -> dict:
         }
         shutil.rmtree(run_dir), shutil.rmtree(resumed_dir)  # gigabytes of checkpoints per size and layout
     peaks = {k: max(v["peak_rss_gib_per_rank"]) for k, v in rows.items() if isinstance(v, dict) and "processes" in v}
-    for layout, base in (("fsdp2", "ddp"), ("fsdp2", "one")):
+    for layout, base in (("fsdp2", "ddp"), ("fsdp2", "one"), ("fsdp2", "fsdp2_gather_off")):
         if layout in peaks and base in peaks:
             rows[f"{layout}_over_{base}_peak"] = round(peaks[layout] / peaks[base], 2)
     return rows
@@ -155,6 +169,9 @@ def add_commands(commands) -> dict:
     c.add_argument("--batch-size", type=int, default=2)
     c.add_argument("--block-size", type=int, default=256)
     c.add_argument("--pretrained", action="store_true", help="LoRA on a saved pretrained folder of each size")
+    c.add_argument("--objective", choices=["causal_lm", "grpo"], default="causal_lm", help="grpo: GRPO on the "
+                   "bundled arithmetic prompts, generation included in each rank's peak")
+    c.add_argument("--completion-tokens", type=int, default=32, help="--objective grpo: each completion's length")
     c.add_argument("--async-save", action="store_true", help="trainer.async_checkpoint=true")
     c.add_argument("--optimizer", default="adamw", help="the optimizer option every layout trains with (muon: its "
                                                         "state is one buffer a matrix, AdamW's two)")
