@@ -4,6 +4,7 @@ prompt's group; ended by the end-of-text token, which is trained; a model traine
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,38 @@ def test_packed_rows_train_as_the_padded_ones_on_fewer_tokens(kind, pretrained):
     weights = [p for p in model.parameters() if p.requires_grad]
     for got, want in zip(torch.autograd.grad(losses[1], weights), torch.autograd.grad(losses[0], weights)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_rows_leave_out_the_truncated_completions_that_nothing_trains_on():
+    """With mask_truncated_completions the completions cut at max_completion_tokens count for nothing: packed, they
+    are not computed at all (their tokens are not in the packed rows), and the loss and its gradient are still the
+    padded rows'. A micro-batch of nothing but cut completions keeps one row, for the passes every process runs."""
+    texts = ["write a:", "a much longer prompt, b:", "c:", "and d:"]
+    options = {"max_completion_tokens": 6, "num_generations": 4, "mask_truncated_completions": True}
+    rollouts, objectives = [], []
+    for packing in (False, True):
+        data = Data(texts, end_of_text=ord("\n"))
+        objective, model = objective_and_model(data, packing=packing, **options)
+        model = WritesTheEndOften(model, ord("\n"))
+        rollouts.append(written(objective, model, prompt_batch(data, [0, 1, 2, 3])))
+        objectives.append(objective)
+    padded, packed = rollouts
+    cut, mask = padded["clipped"].bool(), padded["attention_mask"].bool()
+    assert 0 < cut.sum() < len(cut), cut
+    uncut_tokens = Counter(padded["input_ids"][~cut][mask[~cut]].tolist())
+    in_packed_rows = Counter(packed["packed_input_ids"].flatten().tolist())
+    assert in_packed_rows - uncut_tokens == Counter({0: packed["packed_input_ids"].numel() - mask[~cut].sum().item()})
+    losses = [objective.model_loss_sum(model, rollout, None).sum() for objective, rollout in zip(objectives, rollouts)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    weights = [p for p in model.parameters() if p.requires_grad]
+    for got, want in zip(torch.autograd.grad(losses[1], weights), torch.autograd.grad(losses[0], weights)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+    data = Data(texts)  # no end token: every completion is cut
+    objective, model = objective_and_model(data, packing=True, **options)
+    rollout = written(objective, model, prompt_batch(data, [0, 1]))
+    assert rollout["clipped"].all()
+    assert rollout["packed_input_ids"].shape == (1, rollout["attention_mask"][0].sum())
 
 
 def test_packing_is_refused_for_a_model_that_cannot_attend_per_row():

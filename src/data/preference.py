@@ -214,8 +214,11 @@ def packed_rows(ids: torch.Tensor, lengths: list[int], block_size: int, pad_id: 
     """Right-padded rows (R, T) of these lengths packed into as few rows of at most block_size tokens as
     narrowest_packing finds: input_ids and position_ids (restarting at each row's first token, so that each
     attends to itself only), and `packed_at`, each padded position's place in the flattened packed input (a pad
-    points at 0, never read: nothing is counted there). On the host."""
-    rows, width = narrowest_packing(lengths, block_size)
+    points at 0, never read: nothing is counted there). A row of length 0 is left out (all of it points at 0). On
+    the host."""
+    kept = [row for row, n in enumerate(lengths) if n]
+    rows, width = narrowest_packing([lengths[row] for row in kept], block_size)
+    rows = [[kept[i] for i in row] for row in rows]
     packed = {"input_ids": torch.full((len(rows), width), pad_id, dtype=torch.long),
               "position_ids": torch.arange(width).repeat(len(rows), 1)}
     packed_at = torch.zeros_like(ids)

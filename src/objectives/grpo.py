@@ -47,7 +47,8 @@ walkthrough's tokens/s of one prompt's group at a time, the same draws): a micro
 every layout of the same data.batch_size, so the padding, and what rounding it brings, is the same there too.
 generation_batch=prompt writes one prompt's group at a time (unpadded; a model without position_ids does so).
 With packing, the training passes read each micro-batch's rows packed (src/data/preference.py's packed_rows, as
-data.packing=true packs pairs; each row attends to itself), read back into the padded layout.
+data.packing=true packs pairs; each row attends to itself), read back into the padded layout; rows that train
+nothing (completions cut with mask_truncated_completions) are left out.
 A completion ends at the tokenizer's end-of-text token, which it is trained to write, or after
 max_completion_tokens; under FSDP without gather_for_generation every rank writes max_completion_tokens (each pass
 is a collective), and what follows an end is dropped. Generation is a step's slow part: TRL and OpenRLHF hand it to
@@ -387,8 +388,12 @@ class GRPO(Objective):
             if self.mask_truncated_completions:  # their tokens neither trained nor counted
                 rollout["labels"][rollout["clipped"].bool()] = IGNORE_INDEX
             if self.packing:  # the rows the training passes read (the padded ones stay, for what reads them)
-                lengths = rollout["attention_mask"].sum(-1).tolist()
-                packed = packed_rows(rollout["input_ids"].cpu(), lengths, self.block_size)
+                lengths = rollout["attention_mask"].sum(-1)
+                trained = (rollout["labels"] != IGNORE_INDEX).any(-1)  # masked truncated completions: left out
+                if not trained.any():  # one row kept for the passes that every process runs
+                    trained = torch.arange(len(trained), device=trained.device) == 0
+                lengths = lengths * trained
+                packed = packed_rows(rollout["input_ids"].cpu(), lengths.tolist(), self.block_size)
                 rollout.update({key if key == "packed_at" else f"packed_{key}": value.to(rollout["input_ids"].device)
                                 for key, value in packed.items()})
             if self.num_iterations > 1:  # as the training pass computes them, without dropout or gradients
