@@ -85,9 +85,9 @@ class WritesTheEndOften(torch.nn.Module):
         super().__init__()
         self.gpt, self.end = gpt, end
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
-        return self.gpt(input_ids, position_ids=position_ids) + 3.0 * torch.nn.functional.one_hot(
-            torch.tensor(self.end), 256)
+    def forward(self, input_ids, attention_mask=None, position_ids=None, logits_to_keep=0):
+        return self.gpt(input_ids, position_ids=position_ids, logits_to_keep=logits_to_keep) + 3.0 * (
+            torch.nn.functional.one_hot(torch.tensor(self.end), 256))
 
 
 def written(objective, model, batch: tuple[dict, torch.Tensor]) -> dict:
@@ -293,6 +293,46 @@ def test_packed_rows_train_as_the_padded_ones_on_fewer_tokens(kind, pretrained):
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     weights = [p for p in model.parameters() if p.requires_grad]
     for got, want in zip(torch.autograd.grad(losses[1], weights), torch.autograd.grad(losses[0], weights)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "transformers"])
+@pytest.mark.parametrize("chunk_tokens", [None, 5], ids=["logits", "chunked"])
+def test_the_training_passes_compute_no_output_layer_before_the_shortest_prompts_end(kind, chunk_tokens, pretrained):
+    """TRL's logits_to_keep: the output layer reads the positions from the shortest prompt's last token on (no
+    completion starts before it), and the log-probabilities, the loss (with the KL term and num_iterations' kept
+    log-probabilities) and its gradient are those of the whole rows (1e-5)."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from src.data.tokenizer import codec_for
+
+    data = Data(["write a:", "a much longer prompt, b:", "c: and", "and d:"])
+    objective, model = objective_and_model(data, max_completion_tokens=8, beta=0.2, num_iterations=2,
+                                           chunk_tokens=chunk_tokens)
+    if kind == "transformers":
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(pretrained, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                     attn_pdrop=0.0).train()
+        data.codec = codec_for(str(pretrained))
+        objective.start(Accelerator(cpu=True), model, data, None, None)
+    assert objective.keeps_logits
+    widths = []
+    output_layer = model.get_output_embeddings() if kind == "transformers" else model.lm_head
+    output_layer.register_forward_pre_hook(lambda layer, args: widths.append(args[0].shape[1]))
+    rollout = written(objective, model, prompt_batch(data, [0, 1, 2, 3]))
+    shortest = min(len(data.codec.encode(row["prompt"])) for row in data.rows)
+    assert rollout["logits_from"] == shortest - 1 > 0
+    whole_rows = {**rollout, "logits_from": 0}
+    counted = rollout["labels"][:, 1:] != -100
+    widths.clear()
+    kept, whole = objective.token_logps(model, rollout), objective.token_logps(model, whole_rows)
+    assert widths == [rollout["input_ids"].shape[1] - shortest + 1, rollout["input_ids"].shape[1]], widths
+    torch.testing.assert_close(kept[counted], whole[counted], rtol=1e-5, atol=1e-5)
+    losses = [objective.model_loss_sum(model, rows, None).sum() for rows in (rollout, whole_rows)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    weights = [p for p in model.parameters() if p.requires_grad]
+    for got, want in zip(torch.autograd.grad(losses[0], weights), torch.autograd.grad(losses[1], weights)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 

@@ -147,7 +147,8 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None) -> torch.Tensor:
+                position_ids: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
+                logits_to_keep: int = 0) -> torch.Tensor:
         """Token ids (B, T) -> next-token logits (B, T, vocab_size); with head=reward, values (B, T, 1).
 
         `attention_mask` is accepted so that Hugging Face-style batches fit, and needs no use: with causal
@@ -155,7 +156,8 @@ class GPT(nn.Module):
         `position_ids` (B, T), as packed documents come (src/data/packing.py): each document's tokens take their
         positions in it and attend to their own document only (a left pad is a document of its own).
         `cache` (generation): the tokens read before these, which it keeps; with it, either the whole context
-        (an empty cache) or one new token per call.
+        (an empty cache) or one new token per call. `logits_to_keep` (transformers' argument): n > 0 computes the
+        output layer for the last n positions only, (B, n, vocab_size).
         """
         idx, T = input_ids, input_ids.shape[1]
         past = len(cache) if cache is not None else 0
@@ -181,7 +183,8 @@ class GPT(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(block, x, mask, use_reentrant=False)
             else:
                 x = block(x, mask, None if cache is None else (cache, layer))
-        return self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token (6N + attention), as in the PaLM paper's MFU appendix."""

@@ -48,7 +48,9 @@ every layout of the same data.batch_size, so the padding, and what rounding it b
 generation_batch=prompt writes one prompt's group at a time (unpadded; a model without position_ids does so).
 With packing, the training passes read each micro-batch's rows packed (src/data/preference.py's packed_rows, as
 data.packing=true packs pairs; each row attends to itself), read back into the padded layout; rows that train
-nothing (completions cut with mask_truncated_completions) are left out.
+nothing (completions cut with mask_truncated_completions) are left out. Unpacked, the output layer computes the
+positions from the shortest prompt's last token on alone (transformers' logits_to_keep, which the template's GPT
+takes too): no completion token is predicted before it.
 A completion ends at the tokenizer's end-of-text token, which it is trained to write, or after
 max_completion_tokens; under FSDP without gather_for_generation every rank writes max_completion_tokens (each pass
 is a collective), and what follows an end is dropped. Generation is a step's slow part: TRL and OpenRLHF hand it to
@@ -246,7 +248,7 @@ class GRPO(Objective):
         # num_iterations > 1: (the step that wrote them, the rollouts) that the cycle's later steps train on again
         self._cycle: Optional[tuple[int, list[dict]]] = None
         self.checkpoint, self._steps_taken = None, 0  # where a resume within a cycle finds its completions
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.keeps_logits = chunk_tokens, False  # keeps_logits: start() reads the model
         self.generation_batch, self.gather_for_generation = generation_batch, gather_for_generation
         self.packing = packing
         self.log_completions, self._shown = log_completions, []  # evaluation's completions shown (Markdown each)
@@ -274,6 +276,11 @@ class GRPO(Objective):
                              f"prompt in data.block_size={self.block_size}: lower it, or raise model.block_size")
         self._sums = torch.zeros(len(self._slots), device=accelerator.device)
         self.sharded = sharded(accelerator)
+        # Whether the model computes its output layer for the last positions alone (transformers' logits_to_keep,
+        # the template's GPT): the training passes skip the prompts' positions.
+        inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft's forward passes it on
+        self.keeps_logits = "logits_to_keep" in inspect.signature(base.forward).parameters
         # Whether each pass of generation is a collective (FSDP's all-gathers), which every rank must make alike.
         self.passes_gather = self.sharded and not self.gather_for_generation
         if self.generation_batch == "micro_batch" and not takes(accelerator.unwrap_model(model), "position_ids"):
@@ -443,15 +450,16 @@ class GRPO(Objective):
         kept, device = load_tree(verified(self.checkpoint, file)), self.accelerator.device
         if kept["step"] != first:
             return None
-        return [{key: value.to(device) for key, value in rollout.items()} for rollout in kept["rollouts"]]
+        return [{key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in rollout.items()}
+                for rollout in kept["rollouts"]]
 
     def rank_state(self) -> dict[str, Any]:
         """Within a cycle of num_iterations steps: the completions its next steps train on again."""
         if self._cycle is None or (self.step + 1) % self.num_iterations == 0:
             return {}
         first, rollouts = self._cycle
-        return {"step": first, "rollouts": [{key: value.cpu() for key, value in rollout.items()}
-                                            for rollout in rollouts]}
+        return {"step": first, "rollouts": [{key: value.cpu() if isinstance(value, torch.Tensor) else value
+                                             for key, value in rollout.items()} for rollout in rollouts]}
 
     def _add(self, sums: dict[str, torch.Tensor]) -> None:
         """Adds to the sums of the training metrics named (out of place: the training pass may be compiled)."""
@@ -525,12 +533,15 @@ class GRPO(Objective):
     def token_logps(self, model: torch.nn.Module, batch: Mapping) -> torch.Tensor:
         """(rows, T-1): each row's log-probability of its token t+1 at position t, in fp32; with chunk_tokens
         from the output layer a chunk at a time (DPO's model_answer_logps, whose rows are any rows)."""
+        keep_from = 0
         if "packed_at" in batch:  # objective.packing: read back in the padded rows' layout
             rows = {"input_ids": batch["packed_input_ids"], "position_ids": batch["packed_position_ids"],
                     "packed_at": batch["packed_at"]}
         else:
             rows = {k: batch[k] for k in MODEL_INPUTS}
-        return model_answer_logps(model, rows, batch["labels"], IGNORE_INDEX, self.chunk_tokens)[2]
+            if self.keeps_logits:  # the prompts' positions before the shortest one's end: no output layer there
+                keep_from = batch.get("logits_from", 0)  # 0: rows made elsewhere (a test, an older checkpoint)
+        return model_answer_logps(model, rows, batch["labels"], IGNORE_INDEX, self.chunk_tokens, keep_from)[2]
 
     def model_metrics(self, model: torch.nn.Module, inputs: Mapping, targets: torch.Tensor) -> dict[str, PerSample]:
         per_prompt = len(targets)
@@ -595,8 +606,9 @@ class GRPO(Objective):
         end = self.codec.end_of_text
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32, device=device)
         clipped = torch.tensor([float(not c or c[-1] != end) for c in completions], device=device)
+        # No completion starts before the shortest prompt's end: the training passes' output layer starts there.
         return {**batch, "rewards": rewards, "lengths": lengths, "clipped": clipped, "scores": scores,
-                "entropy": entropy}
+                "entropy": entropy, "logits_from": min(len(prompt) for prompt in prompts) - 1}
 
     def _cropped(self, prompt: torch.Tensor) -> torch.Tensor:
         """The prompt's last tokens that leave room for a whole completion in the model's context."""

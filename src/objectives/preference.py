@@ -71,16 +71,22 @@ def answer_logps(token_logps: torch.Tensor, labels: torch.Tensor, ignore_index: 
 
 
 def model_answer_logps(model: torch.nn.Module, inputs: Mapping, labels: torch.Tensor, ignore_index: int,
-                       chunk_tokens: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       chunk_tokens: Optional[int] = None, keep_from: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The model's answer_logps of a batch of pairs, padded or packed, and its next_token_logps. `chunk_tokens`:
     computed by the model's output layer that many positions at a time (src/objectives/chunked.py), never from
-    the logits of the whole batch."""
+    the logits of the whole batch. `keep_from` (padded rows, a model taking transformers' logits_to_keep): no
+    target is counted before that position, whose output layer is not computed (0 there)."""
     model_inputs = {k: v for k, v in inputs.items() if k not in NOT_MODEL_INPUTS}
+    ids = inputs["input_ids"]
+    if keep_from:
+        model_inputs["logits_to_keep"], ids = ids.shape[1] - keep_from, ids[:, keep_from:]
     if chunk_tokens is None:
-        token_logps = next_token_logps(call_model(model, model_inputs), inputs)
+        token_logps = next_token_logps(call_model(model, model_inputs), {**inputs, "input_ids": ids})
     else:
-        with output_layer_token_logps(model, inputs["input_ids"], chunk_tokens):
+        with output_layer_token_logps(model, ids, chunk_tokens):
             token_logps = in_padded_layout(call_model(model, model_inputs), inputs)
+    token_logps = F.pad(token_logps, (keep_from, 0)) if keep_from else token_logps
     return (*answer_logps(token_logps, labels, ignore_index), token_logps)
 
 
