@@ -278,9 +278,7 @@ class GRPO(Objective):
         self.sharded = sharded(accelerator)
         # Whether the model computes its output layer for the last positions alone (transformers' logits_to_keep,
         # the template's GPT): the training passes skip the prompts' positions.
-        inner = accelerator.unwrap_model(model, keep_torch_compile=False)
-        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # peft's forward passes it on
-        self.keeps_logits = "logits_to_keep" in inspect.signature(base.forward).parameters
+        self.keeps_logits = takes(accelerator.unwrap_model(model, keep_torch_compile=False), "logits_to_keep")
         # Whether each pass of generation is a collective (FSDP's all-gathers), which every rank must make alike.
         self.passes_gather = self.sharded and not self.gather_for_generation
         if self.generation_batch == "micro_batch" and not takes(accelerator.unwrap_model(model), "position_ids"):
