@@ -21,7 +21,7 @@ from src.checkpointing.export import load_exported_model
 from src.data.tokenizer import Codec
 from src.errors import UsageError
 from src.loop.sampling import sample_texts
-from src.models.hf_causal_lm import positions_of
+from src.models.hf_causal_lm import output_width, positions_of
 from src.models.hub import local_path
 
 
@@ -37,9 +37,7 @@ def block_size_of(model: torch.nn.Module, folder: Path) -> int:
 def check_it_writes(model: torch.nn.Module, folder: str) -> None:
     """A reward model (objective=reward's export) gives one value per position, not a distribution over the next
     token: sampling from it would write token 0 again and again."""
-    output = getattr(model, "get_output_embeddings", lambda: None)()
-    layer = output if output is not None else getattr(model, "lm_head", None)
-    if getattr(layer, "out_features", None) == 1:
+    if output_width(model) == 1:
         raise UsageError(f"{folder}: a reward model (one value per position, objective=reward's export) scores text, "
                          f"it does not write it: score with python eval.py path={folder}, or sample from a language "
                          "model's export")

@@ -22,6 +22,8 @@ from scripts.benchmarks.scale import launch
 STUDENT = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=32", "data.batch_size=8",
            "trainer.max_steps=1", "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.monitor=null",
            "trainer.log_every=1"]
+REWARD = ("model.head=reward", "data=jsonl", "data.path=data/shakespeare_pairs.jsonl", "data.preference=true",
+          "objective=reward")  # a reward model trained one step on preference pairs
 GRPO = ("data=prompts", "data.path=data/arithmetic_prompts.jsonl", "objective=grpo", "objective.reward=null",
         "objective.max_completion_tokens=4", "objective.num_generations=2")
 
@@ -30,22 +32,13 @@ def teacher_memory(args) -> dict:
     report: dict = {"processes": args.processes}
     with tempfile.TemporaryDirectory() as tmp:
 
-        def trained(shape: str) -> Path:
+        def trained(shape: str, *reward: str) -> Path:
             layers, width = (int(part) for part in shape.split("x"))
-            run_dir = Path(tmp) / f"teacher_{shape}"
+            run_dir = Path(tmp) / f"{'reward' if reward else 'teacher'}_{shape}"
             run([sys.executable, "train.py", f"model.n_layer={layers}", f"model.n_embd={width}", "model.n_head=8",
                  "model.block_size=32", "data.batch_size=2", "trainer.max_steps=1", "trainer.eval_every=0",
-                 "trainer.eval_batches=1", "trainer.monitor=null", f"hydra.run.dir={run_dir}"])
+                 "trainer.eval_batches=1", "trainer.monitor=null", *reward, f"hydra.run.dir={run_dir}"])
             return run_dir
-
-        def reward_model(shape: str) -> Path:
-            layers, width = (int(part) for part in shape.split("x"))
-            run_dir = Path(tmp) / f"reward_{shape}"
-            run([sys.executable, "train.py", f"model.n_layer={layers}", f"model.n_embd={width}", "model.n_head=8",
-                 "model.block_size=32", "model.head=reward", "data=jsonl", "data.path=data/shakespeare_pairs.jsonl",
-                 "data.preference=true", "objective=reward", "data.batch_size=2", "trainer.max_steps=1",
-                 "trainer.eval_every=0", "trainer.eval_batches=1", "trainer.monitor=null", f"hydra.run.dir={run_dir}"])
-            return run_dir / "model"
 
         def start_up_peaks(frozen: Path, name: str, objective: tuple[str, ...] = ("objective=distill",)) -> list[float]:
             run_dir = Path(tmp) / f"student_{name}"
@@ -55,7 +48,7 @@ def teacher_memory(args) -> dict:
                 "rss_per_rank_before_the_first_step"]
 
         baseline = start_up_peaks(trained("1x16") / "model", "tiny")
-        reward_baseline = start_up_peaks(reward_model("1x16"), "tiny_reward", GRPO)
+        reward_baseline = start_up_peaks(trained("1x16", *REWARD) / "model", "tiny_reward", GRPO)
         for shape in args.teachers:
             teacher = trained(shape)
             checkpoint = next((teacher / "checkpoints").iterdir())
@@ -67,7 +60,7 @@ def teacher_memory(args) -> dict:
                                                                         zip(peaks, baseline)]
             report[f"teacher {shape}"] = row
             print(json.dumps({shape: row}), file=sys.stderr, flush=True)
-            export = reward_model(shape)
+            export = trained(shape, *REWARD) / "model"
             peaks = start_up_peaks(export, f"reward_{shape}", GRPO)
             row = {"reward_model_mib": round((export / "model.safetensors").stat().st_size / 2**20, 1),
                    "export, read in slices: MiB per rank over a tiny reward model's run": [

@@ -115,6 +115,15 @@ def with_reward_head(model: Any) -> Any:
     return model
 
 
+def output_width(model: Any) -> Optional[int]:
+    """How many values the model's output layer gives per position (found by get_output_embeddings() or as
+    `lm_head`, transformers' and the template's GPT's): the vocabulary, or 1 for a reward model."""
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    if output is None:
+        output = getattr(model, "lm_head", None)
+    return getattr(output, "out_features", None) or getattr(getattr(output, "weight", None), "shape", [None])[0]
+
+
 def output_layer_name(model: Any) -> str:
     layer = model.get_output_embeddings()
     return next(name for name, module in model.named_modules() if module is layer)

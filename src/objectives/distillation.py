@@ -31,6 +31,7 @@ from src.checkpointing.training_state import sharded
 from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
 from src.loop.batches import call_model
+from src.models.hf_causal_lm import output_width
 from src.models.pretrained_slices import export_without_values, shard_frozen
 from src.objectives.base import PerSample
 from src.objectives.chunked import CHECKED_TOKENS, output_layer, output_layer_gives_hidden_states
@@ -295,7 +296,7 @@ class Distillation(CrossEntropy):
 
             attend_per_document(teacher)
         vocab_size = data.sizes().get("vocab_size")
-        width = _output_width(teacher)
+        width = output_width(teacher)
         if vocab_size is not None and width is not None and width < vocab_size:
             raise UsageError(f"{key}: the teacher scores {width} token ids, but the data has {vocab_size}")
         parameters = sum(p.numel() for p in teacher.parameters())
@@ -338,10 +339,3 @@ def _teacher_logits(rows: torch.Tensor, weight: Optional[torch.Tensor], bias: Op
     """A chunk's teacher logits: its rows are the logits, or its last hidden states where its output layer is given
     (no gradient flows to the teacher: its weights and hidden states were made without one)."""
     return rows if weight is None else F.linear(rows, weight, bias)
-
-
-def _output_width(model: torch.nn.Module) -> Optional[int]:
-    output = getattr(model, "get_output_embeddings", lambda: None)()
-    if output is None:
-        output = getattr(model, "lm_head", None)
-    return getattr(output, "out_features", None) or getattr(getattr(output, "weight", None), "shape", [None])[0]

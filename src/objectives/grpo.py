@@ -95,6 +95,7 @@ from src.data.tokenizer import check_same_ids
 from src.errors import UsageError
 from src.loop.batches import call_model
 from src.models.gpt import KVCache
+from src.models.hf_causal_lm import output_width
 from src.models.pretrained_slices import export_without_values, shard_frozen
 from src.objectives.base import Objective, PerSample
 from src.objectives.preference import model_answer_logps
@@ -332,9 +333,9 @@ class GRPO(Objective):
         model, slices, why = export_without_values(folder, set(), accept) if self.sharded else (None, None, "")
         if model is None:  # under FSDP read whole into host memory: the prepare moves each rank's shard only
             model = load_exported_model(folder, "cpu" if self.sharded else device)
-        output_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else model.lm_head
-        if output_layer.out_features != 1:
-            raise UsageError(f"{key}: not a reward model (its output layer gives {output_layer.out_features} values "
+        width = output_width(model)
+        if width != 1:
+            raise UsageError(f"{key}: not a reward model (its output layer gives {width} values "
                              "per position, a reward model's one): give the export of an objective=reward run")
         model.requires_grad_(False).eval()
         if not self.sharded:
